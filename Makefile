@@ -1,0 +1,36 @@
+# The two commands of the README: `make train` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+CONFIG ?= configs/default.yaml
+ARGS   ?=
+
+.PHONY: train test test-slow install install-dev clean
+
+# The stamp files re-run the install whenever pyproject.toml changes.
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+train: install  ## run the default recipe on CPU (override: make train CONFIG=... ARGS="rl.steps=50")
+	JAX_PLATFORMS=cpu $(BIN)/jaxrl train $(CONFIG) $(ARGS)
+
+test: install-dev  ## the fast suite (what CI runs)
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q
+
+test-slow: install-dev  ## the slow suite: full default runs for two seeds
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""jaxrl: JAX-native RL for reasoning language models."""

@@ -1,0 +1,44 @@
+"""Orbax checkpoints of the run state: arrays (params, optimizer state, step) plus JSON metadata
+(data-iterator state, RNG seed, phase)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves `{state pytree, metadata dict}` under `directory/<step>`, keeping the newest `keep`."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        self._manager = ocp.CheckpointManager(
+            os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        )
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        """Asynchronous save; call `wait()` (or `close()`) before reading the files."""
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, step: int | None, like: Any) -> tuple[Any, dict]:
+        """Restore the state with the structure, shapes, dtypes and shardings of `like`."""
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
+        return restored["state"], restored["metadata"]
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,121 @@
+"""The run configuration: typed, frozen dataclasses (data only; loading and validation in `configlib`).
+
+A YAML recipe lists only what it changes from these defaults; `key.sub=value` overrides follow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrl.data.arithmetic import ArithmeticTaskConfig
+from jaxrl.losses import GRPOLossConfig
+from jaxrl.sampling import SamplingConfig
+from models.configs import ModelConfig
+
+
+def _field(default, **constraints):
+    return dataclasses.field(default=default, metadata=constraints)
+
+
+def _section(cls, **kwargs):
+    return dataclasses.field(default_factory=lambda: cls(**kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = _field(32, gt=4)  # sentencepiece vocabulary trained for the built-in task
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup to a constant learning rate, after global-norm gradient clipping."""
+
+    learning_rate: float = _field(1e-3, gt=0)
+    warmup_steps: int = _field(0, ge=0)
+    weight_decay: float = _field(0.0, ge=0)
+    b1: float = _field(0.9, ge=0, lt=1)
+    b2: float = _field(0.99, ge=0, lt=1)
+    max_grad_norm: float = _field(1.0, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm start on teacher demonstrations."""
+
+    steps: int = _field(600, ge=0)
+    batch_size: int = _field(64, gt=0)
+    optim: OptimConfig = _section(OptimConfig, learning_rate=3e-3, warmup_steps=50)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO: rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches`
+    optimizer steps per batch."""
+
+    steps: int = _field(100, ge=0)
+    prompts_per_step: int = _field(16, gt=0)
+    group_size: int = _field(8, ge=2)
+    epochs: int = _field(1, gt=0)
+    minibatches: int = _field(1, gt=0)
+    normalize_std: bool = True
+    sampling: SamplingConfig = _section(SamplingConfig)
+    loss: GRPOLossConfig = _section(GRPOLossConfig)
+    optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
+
+    def validate(self) -> None:
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.minibatches:
+            raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by "
+                             f"minibatches = {self.minibatches}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    function: Literal["arithmetic", "math"] = "arithmetic"  # see jaxrl.rewards.REWARD_FUNCTIONS
+    num_workers: int = _field(2, ge=1)
+    timeout_s: float = _field(2.0, gt=0)  # per completion; a stuck worker is killed and replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Greedy accuracy on the held-out problems."""
+
+    every: int = _field(20, ge=0)  # RL steps between evaluations (0: only before and after RL)
+    batch_size: int = _field(256, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes; the product must equal the number of devices used."""
+
+    data: int = _field(1, gt=0)
+    fsdp: int = _field(1, gt=0)
+    tensor: int = _field(1, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _field(50, ge=0)  # RL steps between checkpoints (0: only at the end)
+    keep: int = _field(2, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    output_dir: str = "runs/default"
+    progress: bool = True  # progress bars on stderr
+    model: ModelConfig = _section(ModelConfig)
+    tokenizer: TokenizerConfig = _section(TokenizerConfig)
+    task: ArithmeticTaskConfig = _section(ArithmeticTaskConfig)
+    sft: SFTConfig = _section(SFTConfig)
+    rl: RLConfig = _section(RLConfig)
+    reward: RewardConfig = _section(RewardConfig)
+    eval: EvalConfig = _section(EvalConfig)
+    mesh: MeshConfig = _section(MeshConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+
+    def validate(self) -> None:
+        if self.tokenizer.vocab_size > self.model.vocab_size:
+            raise ValueError(f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) exceeds "
+                             f"model.vocab_size ({self.model.vocab_size})")

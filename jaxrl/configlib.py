@@ -1,0 +1,413 @@
+"""Typed configuration: YAML files + ``key=value`` overrides -> frozen dataclasses.
+
+A schema is a tree of (frozen) dataclasses whose fields all have defaults and
+are typed as ``int``, ``float``, ``str``, ``bool``, ``X | None``,
+``Literal[...]``, ``tuple[T, ...]`` or a nested dataclass::
+
+    @dataclass(frozen=True)
+    class Optim:
+        learning_rate: float = field(default=3e-4, metadata={"gt": 0})
+        schedule: Literal["constant", "cosine"] = "cosine"
+
+    @dataclass(frozen=True)
+    class Root:
+        seed: int = 0
+        optim: Optim = field(default_factory=Optim)
+
+    cfg = load_config(Root, "configs/default.yaml", ["optim.learning_rate=1e-3"])
+
+A YAML file lists only what it changes; overrides apply after it, in order.
+Nothing is coerced silently (``"3"`` is not an int, ``true`` is not a number);
+the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
+string: unquoted scalars and override values that ``float()`` accepts are taken
+for float fields. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
+and cross-field checks from an optional ``validate(self)`` method raising
+``ValueError``. Every problem raises :class:`ConfigError`, whose message names
+the dotted field and, when known, ``file:line`` or the offending override, e.g.
+``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import operator
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "dump_yaml", "replace_path"]
+
+T = TypeVar("T")
+
+_SCALARS = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="),
+           "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the dotted field path and, when known, 'file:line'."""
+
+
+class _PlainStr(str):
+    """A string from an unquoted YAML scalar or an override: may be read as a float."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that marks strings coming from plain (unquoted) scalars."""
+
+
+def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
+    text = loader.construct_scalar(node)
+    return _PlainStr(text) if node.style is None else text
+
+
+_Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
+
+
+@dataclasses.dataclass
+class _Value:
+    """A raw leaf value and where it came from ('file:line', "override '...'", ...)."""
+    value: Any
+    where: str
+
+
+@dataclasses.dataclass
+class _Section:
+    """A raw mapping of field name -> _Value | _Section, and where it came from."""
+    items: dict[str, _Value | _Section]
+    where: str
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None,
+                overrides: Sequence[str] = ()) -> T:
+    """Build ``cls`` from its defaults, the YAML file at ``path`` (if any), then ``overrides``."""
+    _require_dataclass_type(cls)
+    tree = _Section({}, "") if path is None else _read_yaml(path)
+    for item in overrides:
+        _apply_override(tree, item)
+    return _merge(cls(), tree, "")
+
+
+def from_dict(cls: type[T], data: Mapping, *, source: str = "<dict>") -> T:
+    """Build ``cls`` from a nested mapping (strict types; ``source`` labels errors)."""
+    _require_dataclass_type(cls)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of fields, got {_show(data)}")
+    return _merge(cls(), _entry(dict(data), source), "")
+
+
+def to_dict(config) -> dict:
+    """Plain nested dict of a config (tuples become lists), e.g. for YAML/JSON dumps."""
+    if not _is_dataclass_instance(config):
+        raise TypeError(f"to_dict expects a dataclass instance, got {type(config).__name__}")
+    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+
+
+def dump_yaml(config) -> str:
+    """YAML text of a config; ``load_config(type(config), file_with_this_text)`` gives it back."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def replace_path(config: T, dotted: str, value) -> T:
+    """Return ``config`` with the field at ``dotted`` (e.g. 'optim.learning_rate') set to ``value``.
+
+    The value is checked exactly like an override (types, bounds, ``validate``).
+    """
+    where = f"replace_path({dotted!r})"
+    keys = [k.strip() for k in dotted.split(".")]
+    if not all(keys):
+        raise ConfigError(f"{where}: expected a dotted field path like 'section.field'")
+    tree = _Section({}, "")
+    _set(tree, keys, _entry(_PlainStr(value) if isinstance(value, str) else value, where))
+    return _merge(config, tree, "")
+
+
+# --------------------------------------------------------------------------- reading sources
+
+
+def _read_yaml(path: str | os.PathLike) -> _Section:
+    """Parse a YAML file into a raw section tree that remembers each key's line."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{name}: cannot read config file: {e}") from None
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:  # empty file: defaults only
+            return _Section({}, name)
+        if not isinstance(node, yaml.MappingNode):
+            raise ConfigError(f"{name}:{node.start_mark.line + 1}: the top level must be a "
+                              f"mapping of 'field: value' pairs, got a {node.id}")
+        return _section_from_node(node, loader, name, "", name)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{name}{line}: invalid YAML: {_yaml_reason(e)}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str,
+                       path: str, where: str) -> _Section:
+    """Convert a composed mapping node, rejecting duplicate keys."""
+    items: dict[str, _Value | _Section] = {}
+    first_line: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        line = key_node.start_mark.line + 1
+        key_where = f"{file}:{line}"
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise _error(key_where, path, "mapping keys must be plain field names")
+        key = key_node.value
+        sub = _join(path, key)
+        if key in first_line:
+            raise _error(key_where, sub, f"duplicate key (first defined at line {first_line[key]})")
+        first_line[key] = line
+        if isinstance(value_node, yaml.MappingNode):
+            items[key] = _section_from_node(value_node, loader, file, sub, key_where)
+        else:
+            try:
+                items[key] = _Value(loader.construct_document(value_node), key_where)
+            except ValueError as e:  # e.g. an impossible timestamp
+                raise _error(key_where, sub, f"invalid value: {e}") from None
+    return _Section(items, where)
+
+
+def _apply_override(tree: _Section, item: str) -> None:
+    """Apply one ``a.b.c=value`` override (value parsed as YAML) to the raw tree."""
+    where = f"override {item!r}"
+    key, sep, text = item.partition("=")
+    keys = [k.strip() for k in key.split(".")]
+    if not sep or not all(keys):
+        raise ConfigError(f"{where}: expected the form key=value, e.g. optim.learning_rate=3e-4")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}") from None
+    if isinstance(value, str):
+        value = _PlainStr(value)  # any override string may be read as a float
+    _set(tree, keys, _entry(value, where))
+
+
+def _entry(value, where: str) -> _Value | _Section:
+    """Wrap a Python value as a raw tree entry (mappings and dataclasses become sections)."""
+    if _is_dataclass_instance(value):
+        value = to_dict(value)
+    if isinstance(value, Mapping):
+        return _Section({str(k): _entry(v, where) for k, v in value.items()}, where)
+    return _Value(value, where)
+
+
+def _set(tree: _Section, keys: list[str], entry: _Value | _Section) -> None:
+    """Put ``entry`` at ``keys`` in the raw tree; a mapping onto a section merges into it."""
+    node = tree
+    for key in keys[:-1]:
+        child = node.items.get(key)
+        if not isinstance(child, _Section):
+            child = node.items[key] = _Section({}, entry.where)
+        node = child
+    old = node.items.get(keys[-1])
+    if isinstance(old, _Section) and isinstance(entry, _Section):
+        for key, sub in entry.items.items():
+            _set(old, [key], sub)
+    else:
+        node.items[keys[-1]] = entry
+
+
+# --------------------------------------------------------------------------- building dataclasses
+
+
+def _merge(base, section: _Section, path: str):
+    """Return ``base`` (a dataclass instance) updated with ``section``, fully checked."""
+    cls = type(base)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key, entry in section.items.items():
+        if key not in fields:
+            raise _unknown_field(key, fields, path, entry.where)
+    changes = {}
+    for name, f in fields.items():
+        _describe(hints[name])  # rejects unsupported schema types up front
+        entry, current, sub = section.items.get(name), getattr(base, name), _join(path, name)
+        if entry is not None:
+            value = _convert(hints[name], entry, sub, current)
+        elif _is_dataclass_instance(current):
+            value = _merge(current, _Section({}, ""), sub)  # re-check nested defaults too
+        else:
+            value = current
+        _check_bounds(f, value, sub, entry.where if entry else "")
+        changes[name] = value
+    try:
+        obj = dataclasses.replace(base, **changes)
+        validate = getattr(obj, "validate", None)
+        if callable(validate):
+            validate()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise _error(section.where, path, str(e)) from e
+    return obj
+
+
+def _convert(tp, entry: _Value | _Section, path: str, current):
+    """Convert a raw entry for a field of type ``tp`` (``current`` is its present value)."""
+    inner, _ = _unwrap_optional(tp)
+    if isinstance(entry, _Section):
+        if not _is_dataclass_type(inner):
+            raise _error(entry.where, path, f"expected {_describe(tp)}, got a mapping")
+        return _merge(current if isinstance(current, inner) else inner(), entry, path)
+    return _coerce(tp, entry.value, path, entry.where)
+
+
+def _coerce(tp, value, path: str, where: str):
+    """Check a leaf value against ``tp`` and return it converted (int -> float, list -> tuple)."""
+    inner, optional = _unwrap_optional(tp)
+    lenient = type(value) is _PlainStr
+    if lenient:
+        value = str(value)
+    mismatch = _error(where, path, f"expected {_describe(tp)}, got {_show(value)}")
+    if value is None:
+        if optional:
+            return None
+        raise mismatch
+    if typing.get_origin(inner) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise mismatch
+        args = typing.get_args(inner)
+        if args[-1] is Ellipsis:
+            args = args[:1] * len(value)
+        elif len(args) != len(value):
+            raise mismatch
+        return tuple(_coerce(t, v, f"{path}[{i}]", where) for i, (t, v) in enumerate(zip(args, value)))
+    ok, out = _scalar(inner, value, lenient)
+    if not ok:
+        raise mismatch
+    return out
+
+
+def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
+    """(accepted, converted) for a scalar or Literal type; no silent coercion."""
+    if typing.get_origin(tp) is Literal:
+        return any(value == c and type(value) is type(c) for c in typing.get_args(tp)), value
+    if tp is bool or tp is str:
+        return isinstance(value, tp), value
+    if isinstance(value, bool):
+        return False, value  # bool is an int subclass, but never a number here
+    if tp is int:
+        return isinstance(value, int), value
+    if tp is float:
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str) and lenient:  # YAML 1.1 reads plain 1e-3 as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+    return False, value  # dataclass types etc.: a scalar where a section is expected
+
+
+def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
+    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples)."""
+    for key, (op, symbol) in _BOUNDS.items():
+        if key not in f.metadata:
+            continue
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and not op(v, f.metadata[key]):
+                raise _error(where, path, f"must be {symbol} {f.metadata[key]}, got {v!r}")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _describe(tp) -> str:
+    """Human description of a field type; TypeError for types this module cannot handle."""
+    inner, optional = _unwrap_optional(tp)
+    if optional:
+        return f"{_describe(inner)} or null"
+    if inner in _SCALARS:
+        return _SCALARS[inner]
+    origin, args = typing.get_origin(inner), typing.get_args(inner)
+    if origin is Literal and all(isinstance(a, (str, int)) for a in args):
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple and args and args != ((),):
+        items = args[:1] if args[-1] is Ellipsis else args
+        for item in items:
+            _describe(item)
+        return "a list" if args[-1] is Ellipsis else f"a list of {len(args)} items"
+    if _is_dataclass_type(inner):
+        return f"a mapping of {inner.__name__} fields"
+    raise TypeError(f"unsupported config field type: {tp!r}")
+
+
+def _unwrap_optional(tp) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        rest = [a for a in args if a is not type(None)]
+        if len(args) != 2 or len(rest) != 1:
+            raise TypeError(f"unsupported config field type: {tp!r} (only 'X | None' unions)")
+        return rest[0], True
+    return tp, False
+
+
+def _unknown_field(key: str, fields: Mapping, path: str, where: str) -> ConfigError:
+    """Error for a key that is not a field, with a 'did you mean' hint when one is close."""
+    msg = f"unknown field {key!r} " + (f"in {path}" if path else "at top level")
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    if close:
+        msg += f" (did you mean {close[0]!r}?)"
+    return _error(where, "", f"{msg}; valid fields: {', '.join(sorted(fields))}")
+
+
+def _yaml_reason(e: Exception) -> str:
+    """One-line reason of a YAML error (without PyYAML's multi-line snippets)."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        return "; ".join(part for part in (e.context, e.problem) if part)
+    return str(e)
+
+
+def _error(where: str, path: str, msg: str) -> ConfigError:
+    return ConfigError(": ".join(part for part in (where, path, msg) if part))
+
+
+def _show(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _plain(value):
+    if _is_dataclass_instance(value):
+        return to_dict(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _is_dataclass_instance(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _require_dataclass_type(cls) -> None:
+    if not _is_dataclass_type(cls):
+        raise TypeError(f"expected a dataclass type, got {cls!r}")

@@ -1,0 +1,123 @@
+"""Built-in verifiable reasoning task: chains of additions and subtractions solved step by step.
+
+A problem is `"23+8-5+9="`; a worked solution writes every intermediate result and the final answer after
+`####`: `"23+8=31,31-5=26,26+9=35 #### 35"`. The reward checks only the final answer.
+
+The warm-start demonstrations come from a *sloppy teacher*: at a step whose ones digits carry (23+8) or
+borrow (31-5), it forgets the carry with probability `teacher_carry_error_rate` and continues from its
+wrong value. Supervised learning imitates that habit faithfully; only the verifiable reward tells the
+policy that carrying is right, so the accuracy gained after the warm start is the work of RL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import grain
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTaskConfig:
+    min_steps: int = dataclasses.field(default=2, metadata={"ge": 1})
+    max_steps: int = dataclasses.field(default=4, metadata={"ge": 1})
+    max_start: int = dataclasses.field(default=30, metadata={"ge": 1})  # first number in [1, max_start]
+    max_operand: int = dataclasses.field(default=9, metadata={"ge": 1})  # later numbers in [1, max_operand]
+    max_value: int = dataclasses.field(default=99, metadata={"ge": 1})  # running totals stay in [0, max_value]
+    teacher_carry_error_rate: float = dataclasses.field(default=0.6, metadata={"ge": 0, "le": 1})
+    num_eval: int = dataclasses.field(default=256, metadata={"gt": 0})  # held-out problems
+    num_train: int = dataclasses.field(default=20_000, metadata={"gt": 0})  # distinct training problems
+
+    def validate(self) -> None:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
+        if self.max_start > self.max_value:
+            raise ValueError(f"max_start ({self.max_start}) > max_value ({self.max_value})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    start: int
+    steps: tuple[tuple[str, int], ...]  # (op, operand), op in "+-"
+
+    @property
+    def prompt(self) -> str:
+        return str(self.start) + "".join(f"{op}{x}" for op, x in self.steps) + "="
+
+    @property
+    def answer(self) -> int:
+        return self.start + sum(x if op == "+" else -x for op, x in self.steps)
+
+
+def random_problem(rng: np.random.Generator, config: ArithmeticTaskConfig) -> Problem:
+    """A problem whose running total stays in `[0, max_value]`."""
+    total = int(rng.integers(1, config.max_start + 1))
+    start, steps = total, []
+    for _ in range(int(rng.integers(config.min_steps, config.max_steps + 1))):
+        x = int(rng.integers(1, config.max_operand + 1))
+        op = "+" if rng.random() < 0.5 else "-"
+        if op == "-" and total - x < 0:
+            op = "+"
+        if op == "+" and total + x > config.max_value:
+            op = "-"
+        total += x if op == "+" else -x
+        steps.append((op, x))
+    return Problem(start, tuple(steps))
+
+
+def carries(total: int, op: str, x: int) -> bool:
+    """Whether `total op x` carries into (or borrows from) the tens digit."""
+    return (total % 10 + x >= 10) if op == "+" else (total % 10 < x)
+
+
+def solution(problem: Problem, carry_error_rate: float = 0.0, rng: np.random.Generator | None = None) -> str:
+    """Worked solution; with `carry_error_rate > 0` each carrying step forgets the carry with that chance."""
+    total, parts = problem.start, []
+    for op, x in problem.steps:
+        result = total + x if op == "+" else total - x
+        if carry_error_rate and carries(total, op, x) and rng.random() < carry_error_rate:
+            result += -10 if op == "+" else 10
+        parts.append(f"{total}{op}{x}={result}")
+        total = result
+    return ",".join(parts) + f" #### {total}"
+
+
+def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint `(train, held_out)` problem lists (no held-out prompt appears in train), deterministic."""
+    rng = np.random.default_rng([seed, 1])
+    held_out: dict[str, Problem] = {}
+    while len(held_out) < config.num_eval:
+        p = random_problem(rng, config)
+        held_out.setdefault(p.prompt, p)
+    train: dict[str, Problem] = {}
+    attempts = 0
+    while len(train) < config.num_train:
+        attempts += 1
+        if attempts > 50 * config.num_train:
+            raise ValueError(f"the task has too few distinct problems for num_train={config.num_train}")
+        p = random_problem(rng, config)
+        if p.prompt not in held_out:
+            train.setdefault(p.prompt, p)
+    return list(train.values()), list(held_out.values())
+
+
+def prompt_batches(problems: list[Problem], batch_size: int, seed: int) -> grain.DatasetIterator:
+    """Endless shuffled batches (lists of `Problem`) as a checkpointable grain iterator."""
+    dataset = grain.MapDataset.source(problems).shuffle(seed=seed).repeat().batch(batch_size, batch_fn=list)
+    return iter(dataset.to_iter_dataset())
+
+
+def teacher_examples(
+    problems: list[Problem], config: ArithmeticTaskConfig, seed: int
+) -> Iterator[tuple[str, str]]:
+    """Endless `(prompt, sloppy-teacher solution)` pairs for the warm start, deterministic for `seed`."""
+    rng = np.random.default_rng([seed, 2])
+    while True:
+        p = problems[int(rng.integers(len(problems)))]
+        yield p.prompt, solution(p, config.teacher_carry_error_rate, rng)
+
+
+def tokenizer_corpus(problems: list[Problem]) -> list[str]:
+    """Texts covering every symbol the task uses (prompts and solutions)."""
+    return [p.prompt for p in problems] + [solution(p) for p in problems]

@@ -1,0 +1,258 @@
+"""The RL run, top to bottom: tokenizer -> warm start -> held-out eval -> GRPO -> held-out eval.
+
+This module is the imperative edge: it owns I/O (files, progress bars, reward processes, checkpoints) and
+calls the pure jitted pieces (`sampling.sample`, `train.make_*_step`, `advantages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+import models
+from jaxrl import configlib, rewards
+from jaxrl.advantages import grpo_advantages
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import Config, OptimConfig
+from jaxrl.data import arithmetic
+from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl.sampling import Rollout, SamplingConfig, sample
+from jaxrl.sharding import make_mesh, replicate, shard_batch
+from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, train_tokenizer
+from jaxrl.train import (TrainState, completion_logprobs, init_train_state, make_grpo_step, make_optimizer,
+                         make_sft_step)
+
+log = logging.getLogger("jaxrl")
+
+REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify}
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def optimizer_from(config: OptimConfig):
+    return make_optimizer(**dataclasses.asdict(config))
+
+
+@dataclasses.dataclass
+class Generator:
+    """Host-side wrapper around the jitted sampler: text prompts in, rollouts and texts out."""
+
+    tokenizer: Tokenizer
+    prompt_length: int  # static padded prompt length: one compiled program per batch size
+    mesh: jax.sharding.Mesh
+
+    def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig) -> tuple[Rollout, list[str]]:
+        tokens, valid = encode_prompts(self.tokenizer, prompts, self.prompt_length)
+        tokens, valid = shard_batch((tokens, valid), self.mesh)
+        rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.eos_id,
+                                        self.tokenizer.pad_id))
+        texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
+        return rollout, texts
+
+
+def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
+             max_new_tokens: int) -> dict[str, float]:
+    """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all."""
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    start, texts, lengths = time.perf_counter(), [], []
+    for i in range(0, len(problems), batch_size):
+        chunk = [p.prompt for p in problems[i:i + batch_size]]
+        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        rollout, completions = generate(policy, padded, jax.random.key(0), greedy)
+        texts += completions[:len(chunk)]
+        lengths += rollout.completion_mask[:len(chunk)].sum(1).tolist()
+    result = pool.score(texts, [str(p.answer) for p in problems])
+    return {"eval/accuracy": float(result.rewards.mean()), "eval/completion_length": float(np.mean(lengths)),
+            "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
+            "eval/sample": texts[0]}
+
+
+def warm_start(state: TrainState, config: Config, tokenizer, train_problems, prompt_length, mesh,
+               writer: MetricsWriter) -> TrainState:
+    """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`)."""
+    step_fn = make_sft_step(optimizer_from(config.sft.optim))
+    examples = arithmetic.teacher_examples(train_problems, config.task, config.seed)
+    bar = tqdm(range(config.sft.steps), desc="warm start", disable=not config.progress, dynamic_ncols=True)
+    for step in bar:
+        prompts, solutions = zip(*(next(examples) for _ in range(config.sft.batch_size)))
+        # Pad completions to the batch's longest (+ EOS), rounded up to 8: a few compiled shapes, little waste.
+        completion_length = round_up(1 + max(len(tokenizer.encode(s)) for s in solutions), 8)
+        tokens, prompt_valid, mask = encode_examples(tokenizer, prompts, solutions, prompt_length,
+                                                     completion_length)
+        batch = shard_batch({"tokens": tokens, "prompt_valid": prompt_valid, "completion_mask": mask}, mesh)
+        state, metrics = step_fn(state, batch)
+        if step % 25 == 0 or step == config.sft.steps - 1:
+            metrics = jax.device_get(metrics)
+            writer.write({"phase": "sft", "step": step, **metrics})
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+    return state
+
+
+def rl_update(state, step_fn, logprob_fn, rollout: Rollout, advantages, config: Config, mesh, step: int):
+    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics)."""
+    batch = {"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
+             "completion_mask": rollout.completion_mask, "advantages": np.asarray(advantages, np.float32)}
+    batch = shard_batch(batch, mesh)
+    batch["old_logp"] = logprob_fn(state.policy, batch["tokens"], batch["prompt_valid"])[0]
+    size = rollout.tokens.shape[0] // config.rl.minibatches
+    order_rng = np.random.default_rng([config.seed, 3, step])
+    collected = []
+    for _ in range(config.rl.epochs):
+        order = order_rng.permutation(rollout.tokens.shape[0]) if config.rl.minibatches > 1 else None
+        for m in range(config.rl.minibatches):
+            minibatch = batch if order is None else jax.tree.map(
+                lambda x: x[order[m * size:(m + 1) * size]], batch)
+            state, metrics = step_fn(state, minibatch)
+            collected.append(metrics)
+    metrics = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *collected))
+    return state, metrics
+
+
+def run(config: Config, config_source: str = "") -> dict[str, Any]:
+    """Train the default recipe end to end; writes everything under `config.output_dir`."""
+    wall_start = time.perf_counter()
+    times: dict[str, float] = {}
+    out = config.output_dir
+    _prepare_output_dir(out)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write(configlib.dump_yaml(config))
+
+    # Data and tokenizer.
+    t0 = time.perf_counter()
+    train_problems, eval_problems = arithmetic.make_splits(config.task, config.seed)
+    tokenizer = train_tokenizer(arithmetic.tokenizer_corpus(train_problems[:4000]), config.tokenizer.vocab_size)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(f"the trained tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
+                         f"{config.model.vocab_size}")
+    tokenizer.save(os.path.join(out, "tokenizer.model"))
+    prompt_length = round_up(1 + max(len(tokenizer.encode(p.prompt)) for p in train_problems + eval_problems), 8)
+    times["data_time_s"] = time.perf_counter() - t0
+
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    policy = replicate(models.init(config.model, config.seed), mesh)
+    generate = Generator(tokenizer, prompt_length, mesh)
+    reward_fn = REWARD_FUNCTIONS[config.reward.function]
+    max_new = config.rl.sampling.max_new_tokens
+    eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
+    checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
+
+    with MetricsWriter(os.path.join(out, "metrics.jsonl")) as writer, \
+            rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers,
+                               timeout_s=config.reward.timeout_s) as pool:
+        t0 = time.perf_counter()
+        state = warm_start(init_train_state(policy, optimizer_from(config.sft.optim)), config, tokenizer,
+                           train_problems, prompt_length, mesh, writer)
+        times["sft_time_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        before = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
+        times["eval_before_time_s"] = time.perf_counter() - t0
+        writer.write({"phase": "rl", "step": 0, **before})
+        log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
+
+        t0 = time.perf_counter()
+        state, totals = _grpo(state, config, train_problems, eval_problems, generate, pool, writer, checkpointer)
+        times["rl_time_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        after = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
+        times["eval_after_time_s"] = time.perf_counter() - t0
+        writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
+
+    checkpointer.save(config.rl.steps, _checkpoint_state(state), {"phase": "done", "rl_step": config.rl.steps})
+    checkpointer.close()
+    times["total_wall_time_s"] = time.perf_counter() - wall_start
+
+    summary = {
+        "accuracy_before_rl": before["eval/accuracy"],
+        "accuracy_after_rl": after["eval/accuracy"],
+        "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
+        "num_eval_problems": len(eval_problems),
+        "completion_length_before_rl": before["eval/completion_length"],
+        "completion_length_after_rl": after["eval/completion_length"],
+        **times,
+        **totals,
+        "num_parameters": models.num_parameters(config.model),
+        "devices": [str(d) for d in jax.devices()],
+        "seed": config.seed,
+        "config_source": config_source,
+        "config": configlib.to_dict(config),
+    }
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
+             title=f"GRPO on arithmetic chains (seed {config.seed})")
+    return summary
+
+
+def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer):
+    rl = config.rl
+    state = init_train_state(state.policy, optimizer_from(rl.optim))
+    step_fn = make_grpo_step(optimizer_from(rl.optim), rl.loss, rl.sampling.temperature)
+    logprob_fn = jax.jit(completion_logprobs, static_argnames="temperature")
+    prompts_iter = arithmetic.prompt_batches(train_problems, rl.prompts_per_step, config.seed)
+    rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
+    totals = {"reward_timeouts_total": 0, "reward_errors_total": 0}
+    eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
+    bar = tqdm(range(1, rl.steps + 1), desc="GRPO", disable=not config.progress, dynamic_ncols=True)
+    last_accuracy = None
+    for step in bar:
+        record: dict[str, Any] = {"phase": "rl", "step": step}
+        t0 = time.perf_counter()
+        problems = next(prompts_iter)
+        prompts = [p.prompt for p in problems for _ in range(rl.group_size)]
+        references = [str(p.answer) for p in problems for _ in range(rl.group_size)]
+        rollout, texts = generate(state.policy, prompts, jax.random.fold_in(rl_key, step), rl.sampling)
+        t1 = time.perf_counter()
+        scored = pool.score(texts, references)
+        t2 = time.perf_counter()
+        advantages = grpo_advantages(jnp.asarray(scored.rewards), rl.group_size, normalize_std=rl.normalize_std)
+        state, metrics = rl_update(state, step_fn, logprob_fn, rollout, advantages, config,
+                                   generate.mesh, step)
+        t3 = time.perf_counter()
+        totals["reward_timeouts_total"] += scored.timeouts
+        totals["reward_errors_total"] += scored.errors
+        record.update(scored.metrics())
+        record.update({f"train/{k}": v for k, v in metrics.items()})
+        record["train/completion_length"] = float(rollout.completion_mask.sum(1).mean())
+        record["train/truncated_frac"] = float((rollout.finish_reason == 1).mean())
+        record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
+        if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
+            record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
+            last_accuracy = record["eval/accuracy"]
+        writer.write(record)
+        if config.checkpoint.every and step % config.checkpoint.every == 0 and step != rl.steps:
+            checkpointer.save(step, _checkpoint_state(state),
+                              {"phase": "rl", "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
+        postfix = {"reward": f"{record['reward/mean']:.2f}", "entropy": f"{metrics['entropy']:.3f}"}
+        if last_accuracy is not None:
+            postfix["eval_acc"] = f"{last_accuracy:.2f}"
+        bar.set_postfix(postfix)
+    return state, totals
+
+
+def _checkpoint_state(state: TrainState) -> dict[str, Any]:
+    return {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step}
+
+
+def _prepare_output_dir(out: str) -> None:
+    """A fresh run owns its output directory: stale metrics and checkpoints of an earlier run are removed."""
+    os.makedirs(out, exist_ok=True)
+    for name in ("metrics.jsonl", "summary.json", "reward_accuracy.png"):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            os.remove(path)
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)

@@ -1,0 +1,604 @@
+"""Verifiable math rewards: answer extraction, normalisation and equivalence.
+
+Everything here is a pure function of strings and never ``eval``s or ``exec``s
+model text directly. Symbolic comparison goes through
+``sympy.parsing.sympy_parser.parse_expr`` only after the string has passed a
+strict whitelist (characters, identifiers, exponent sizes), and sympy is
+imported lazily so that ``import jaxrl.rewards`` stays fast.
+
+All scanning is linear-time (no backtracking-prone regexes, no recursion over
+the input), so megabyte-sized or deeply nested completions return quickly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from fractions import Fraction
+
+__all__ = [
+    "arithmetic_reward",
+    "extract_answer",
+    "is_equivalent",
+    "math_verify",
+    "normalize_answer",
+]
+
+# Answers longer than this (after normalisation) are never parsed: they are
+# only equivalent to a reference if the normalised strings are identical.
+MAX_PARSE_CHARS = 200
+# Exponent literals with more digits than this are rejected unevaluated.
+MAX_EXPONENT_DIGITS = 3
+
+# ---------------------------------------------------------------------------
+# Extraction
+# ---------------------------------------------------------------------------
+
+_ANSWER_OPEN_RE = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSE_RE = re.compile(r"</answer>", re.IGNORECASE)
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
+# Escaped braces (``\{``, ``\}``) are literal characters, not groups.
+_BRACE_RE = re.compile(r"\\[{}]|[{}]")
+_THE_ANSWER_RE = re.compile(
+    r"(?:the[ \t]+(?:final[ \t]+)?answer[ \t]+is[ \t]*:?|answer[ \t]*:)[ \t]*([^\n]*)",
+    re.IGNORECASE,
+)
+# Optional sign (only when not a binary minus), integer with optional
+# thousands separators, optional decimals, optional ``/denominator``.
+_NUMBER_RE = re.compile(
+    r"(?:(?<![0-9A-Za-z)\]}])[-+])?"
+    r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
+    r"(?:/[0-9]+(?:\.[0-9]+)?)?"
+)
+
+
+def _last_match(pattern: re.Pattern, text: str, pos: int = 0, endpos: int | None = None):
+    last = None
+    for last in pattern.finditer(text, pos, len(text) if endpos is None else endpos):
+        pass
+    return last
+
+
+def _clean(s: str | None) -> str | None:
+    """Strip whitespace, ``$``, markdown bold and trailing periods; None if empty."""
+    if s is None:
+        return None
+    prev = None
+    while s != prev:
+        prev = s
+        s = s.strip().strip("$").strip()
+        if len(s) > 4 and s.startswith("**") and s.endswith("**"):
+            s = s[2:-2]
+        s = s.rstrip(".")
+    return s or None
+
+
+def _answer_tag(text: str) -> str | None:
+    """Content of the last complete ``<answer>...</answer>`` pair."""
+    close = _last_match(_ANSWER_CLOSE_RE, text)
+    if close is None:
+        return None
+    opening = _last_match(_ANSWER_OPEN_RE, text, 0, close.start())
+    if opening is None:
+        return None
+    content = text[opening.end() : close.start()]
+    # ``<answer>... \boxed{5}</answer>``: prefer the boxed part.
+    return _last_boxed(content) or content
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` whose braces balance.
+
+    One linear pass with an explicit stack: no regex recursion, no Python
+    recursion, so 10k nested braces or 1 MB of ``{`` are fine.
+    """
+    starts = [m.end() - 1 for m in _BOXED_RE.finditer(text)]  # positions of "{"
+    if not starts:
+        return None
+    wanted = set(starts)
+    close_of: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE_RE.finditer(text, starts[0]):
+        tok = m.group()
+        if tok == "{":
+            # Only remember positions we care about; -1 keeps the stack cheap.
+            stack.append(m.start() if m.start() in wanted else -1)
+        elif tok == "}" and stack:
+            opened = stack.pop()
+            if opened >= 0:
+                close_of[opened] = m.start()
+    for start in reversed(starts):
+        end = close_of.get(start)
+        if end is not None:
+            return text[start + 1 : end]
+    return None
+
+
+def _after_hashes(text: str) -> str | None:
+    """Text after the last ``####`` up to the end of that line (GSM8K format)."""
+    i = text.rfind("####")
+    if i < 0:
+        return None
+    j = text.find("\n", i + 4)
+    return text[i + 4 : j if j >= 0 else len(text)]
+
+
+def _the_answer_is(text: str) -> str | None:
+    """``the answer is X`` / ``answer: X`` (last occurrence, to end of sentence)."""
+    m = _last_match(_THE_ANSWER_RE, text)
+    if m is None:
+        return None
+    content = m.group(1)
+    end = re.search(r"\.\s", content)  # "42. Hope this helps" -> "42"
+    return content[: end.start()] if end else content
+
+
+def _last_number(text: str) -> str | None:
+    m = _last_match(_NUMBER_RE, text)
+    return None if m is None else m.group()
+
+
+def extract_answer(completion: str) -> str | None:
+    """Final answer of a completion, or None.
+
+    Priority: last ``<answer>...</answer>``; last balanced ``\\boxed{...}`` or
+    ``\\fbox{...}``; text after the last ``####`` (to end of line);
+    ``the answer is X`` / ``answer: X``; the last number (signed integers,
+    ``1,234`` thousands separators, decimals, ``a/b``). The result is stripped of
+    whitespace, ``$`` and a trailing ``.``. Linear time in ``len(completion)``.
+    """
+    if not isinstance(completion, str):
+        return None
+    for finder in (_answer_tag, _last_boxed, _after_hashes, _the_answer_is, _last_number):
+        found = _clean(finder(completion))
+        if found is not None:
+            return found
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------
+
+_UNICODE_MAP = str.maketrans(
+    {
+        "\u2212": "-",  # minus sign
+        "\u2013": "-",  # en dash
+        "\u00d7": r"\times ",
+        "\u22c5": r"\cdot ",
+        "\u00b7": r"\cdot ",
+        "\u00f7": r"\div ",
+        "\u03c0": r"\pi ",
+        "\u221e": r"\infty ",
+        "\u00b0": "",  # degree sign
+        "\u00a0": " ",
+        "\u2009": " ",
+        "\u202f": " ",
+    }
+)
+_LATEX_SPACING_RE = re.compile(r"\\(?:left|right|displaystyle)(?![A-Za-z])|\\[!,;: ]")
+_DEGREES_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
+_TEXT_RE = re.compile(
+    r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}"
+)
+_UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*\{?\s*[0-9]\s*\}?)?\s*\Z")
+# Keep one space between a LaTeX command and a following letter ("\pi r").
+_SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
+_ASSIGNMENT_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
+_THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
+
+
+def _strip_text_wrappers(s: str) -> str:
+    """Drop a trailing ``\\text{units}`` after a value; unwrap other ``\\text{X}``."""
+    last = _last_match(_TEXT_RE, s)
+    if last is not None and s[: last.start()].strip() and _UNIT_TAIL_RE.match(s, last.end()):
+        s = s[: last.start()]
+    return _TEXT_RE.sub(lambda m: m.group(1), s)
+
+
+def normalize_answer(s: str) -> str:
+    """Canonical string form of an answer, for exact comparison.
+
+    Removes whitespace, ``$``, ``\\!``/``\\,``-style spacing, ``\\left``/``\\right``,
+    ``\\text{...}`` unit wrappers, degrees (``^\\circ``), percent signs, trailing
+    periods, thousands separators (``1,234`` but not ``(1,2)``) and a leading
+    single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac`` to
+    ``\\frac`` and expands ``\\frac12``/``\\sqrt2`` shorthands. Linear time.
+    """
+    if not isinstance(s, str):
+        s = str(s)
+    s = s.translate(_UNICODE_MAP)
+    s = s.replace("\\$", "").replace("$", "")
+    s = _LATEX_SPACING_RE.sub("", s)
+    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = _DEGREES_RE.sub("", s)
+    s = s.replace("\\%", "%").replace("{,}", ",")
+    s = _strip_text_wrappers(s)
+    s = _SPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s).strip()
+    s = s.rstrip(".")
+    if s.endswith("%"):
+        s = s[:-1]
+    m = _ASSIGNMENT_RE.match(s)
+    if m is not None and s.count("=") == 1:
+        s = s[m.end() :]
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    s = re.sub(r"\\frac([0-9])([0-9])", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac([0-9])\{", r"\\frac{\1}{", s)
+    s = re.sub(r"\\frac(\{[^{}]*\})([0-9])", r"\\frac\1{\2}", s)
+    s = re.sub(r"\\sqrt ?([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)
+    return s.rstrip(".")
+
+
+# ---------------------------------------------------------------------------
+# Equivalence
+# ---------------------------------------------------------------------------
+
+_DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?")
+_LATEX_FRAC_RE = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
+_OPENERS = {"(": ")", "[": "]", "{": "}"}
+_CLOSERS = {")", "]", "}"}
+
+
+def _decimal(s: str) -> Fraction | None:
+    return Fraction(s) if _DECIMAL_RE.fullmatch(s) else None
+
+
+def _to_fraction(s: str) -> Fraction | None:
+    """Exact value of ``12``, ``-0.5``, ``1e3``, ``3/4`` or ``\\frac{3}{4}``, else None."""
+    m = _LATEX_FRAC_RE.fullmatch(s)
+    if m is not None:
+        sign, num, den = -1 if m.group(1) == "-" else 1, _decimal(m.group(2)), _decimal(m.group(3))
+    elif s.count("/") == 1:
+        sign, (num, den) = 1, (_decimal(part) for part in s.split("/"))
+    else:
+        return _decimal(s)
+    if num is None or den is None or den == 0:
+        return None
+    return sign * num / den
+
+
+def _split_top_level(s: str) -> list[str] | None:
+    """Split on commas outside brackets; None if brackets are unbalanced."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch in _OPENERS:
+            depth += 1
+        elif ch in _CLOSERS:
+            depth -= 1
+            if depth < 0:
+                return None
+        elif ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    return parts + [s[start:]] if depth == 0 else None
+
+
+def _as_sequence(s: str) -> tuple[str, list[str]] | None:
+    """``(1,2)`` -> ("()", ["1", "2"]); ``\\{1,2\\}`` -> ("set", ...); None if not a tuple."""
+    kind, inner = "", s
+    if s.startswith("\\{") and s.endswith("\\}"):
+        kind, inner = "set", s[2:-2]
+    elif len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        whole = _split_top_level(s[1:-1])  # outer pair must enclose everything
+        if whole is not None:
+            kind, inner = s[0] + s[-1], s[1:-1]
+    parts = _split_top_level(inner)
+    if parts is None or len(parts) < 2:
+        return None
+    return kind, parts
+
+
+_FUNCTIONS = {"sqrt": "sqrt", "root": "root", "log": "log", "ln": "log", "exp": "exp",
+              "sin": "sin", "cos": "cos", "tan": "tan"}
+_CONSTANTS = {"pi": "pi", "oo": "oo", "infty": "oo"}
+_LATEX_WORDS = {"cdot": "*", "times": "*", "div": "/", "pi": " pi ", "infty": " oo ",
+                **{name: f" {target}" for name, target in _FUNCTIONS.items()}}
+_EXPONENT_NAMES = {"pi", "sqrt"}
+
+
+def _brace_group(s: str, i: int, open_ch: str = "{", close_ch: str = "}") -> int | None:
+    """Index just past the group starting at ``s[i] == open_ch``, or None."""
+    if i >= len(s) or s[i] != open_ch:
+        return None
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] == open_ch:
+            depth += 1
+        elif s[j] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def _latex_to_sympy(s: str) -> str | None:
+    """Rewrite the small LaTeX subset we support into sympy syntax, or None.
+
+    Handles ``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\sqrt[n]{x}``, ``\\pi``,
+    ``\\cdot``, ``\\times``, ``\\div``, ``\\infty``, ``\\ln``/``\\log``/``\\sin``...,
+    ``^`` and ``{}`` grouping. Any other backslash command -> None.
+    """
+    # Innermost-last: the last \frac / \sqrt never contains another one.
+    while True:
+        i = max(s.rfind("\\frac"), s.rfind("\\sqrt"))
+        if i < 0:
+            break
+        if s.startswith("\\frac", i):
+            a_end = _brace_group(s, i + 5)
+            b_end = _brace_group(s, a_end) if a_end is not None else None
+            if b_end is None:
+                return None
+            repl = f"(({s[i + 6 : a_end - 1]})/({s[a_end + 1 : b_end - 1]}))"
+            s = s[:i] + repl + s[b_end:]
+        else:
+            j, index = i + 5, None
+            if s.startswith("[", j):
+                k = _brace_group(s, j, "[", "]")
+                if k is None:
+                    return None
+                index, j = s[j + 1 : k - 1], k
+            k = _brace_group(s, j)
+            if k is None:
+                return None
+            body = s[j + 1 : k - 1]
+            repl = f" sqrt({body})" if index is None else f" root({body},{index})"
+            s = s[:i] + repl + s[k:]
+    # "\ln 2", "\sin x", "\cos\pi" -> call syntax
+    s = re.sub(
+        r"\\(ln|log|sin|cos|tan|exp) ?([0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
+        r"\\\1(\2)",
+        s,
+    )
+    s = re.sub(r"\\([A-Za-z]+)", lambda m: _LATEX_WORDS.get(m.group(1), "\\" + m.group(1)), s)
+    if "\\" in s:
+        return None
+    return s.replace("{", "(").replace("}", ")").replace("^", "**")
+
+
+_SCIENTIFIC_OR_NAME_RE = re.compile(
+    r"(?<![A-Za-z0-9.])(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+(?![A-Za-z])|[A-Za-z]+"
+)
+
+
+def _split_identifiers(s: str) -> str:
+    """Split unknown multi-letter names into single-letter symbols (``xy`` -> ``x y``).
+
+    Scientific literals (``2.5e3``) are kept intact.
+    """
+    def repl(m: re.Match) -> str:
+        word = m.group()
+        if not word[0].isalpha():
+            return word
+        if word in _FUNCTIONS or word in _CONSTANTS:
+            return f" {_FUNCTIONS.get(word) or _CONSTANTS[word]} "
+        return " " + " ".join(word) + " "
+
+    return _SCIENTIFIC_OR_NAME_RE.sub(repl, s)
+
+
+def _operand_end(s: str, j: int) -> int | None:
+    """End index of the power operand starting at ``s[j]`` (after signs/spaces)."""
+    n = len(s)
+    while j < n and s[j] in " +-":
+        j += 1
+    if j < n and s[j] == "(":
+        return _brace_group(s, j, "(", ")")
+    m = re.compile(r"[A-Za-z0-9.]+").match(s, j)
+    if m is None:
+        return None
+    end = m.end()
+    if m.group()[:1].isalpha() and end < n and s[end] == "(":  # function call
+        return _brace_group(s, end, "(", ")")
+    return end
+
+
+def _powers_are_safe(s: str) -> bool:
+    """Reject exponentiation that could explode before any evaluation happens.
+
+    For every ``**``: the exponent must not contain another power or a product,
+    its integer literals must have <= ``MAX_EXPONENT_DIGITS`` digits, its names
+    must be single letters, ``pi`` or ``sqrt``, it must not be followed by another
+    ``**`` (``10**10**10``) and a parenthesised base must not contain ``**``.
+    """
+    i = s.find("**")
+    while i >= 0:
+        end = _operand_end(s, i + 2)
+        if end is None:
+            return False
+        exponent = s[i + 2 : end]
+        if "*" in exponent or re.search(r"\)\s*[(0-9.]|[0-9.]\s*\(|[0-9]\s+[0-9]", exponent):
+            return False
+        if any(len(d) > MAX_EXPONENT_DIGITS for d in re.findall(r"[0-9]+", exponent)):
+            return False
+        names = re.findall(r"[A-Za-z]+", exponent)
+        if any(len(w) > 1 and w not in _EXPONENT_NAMES for w in names):
+            return False
+        if s[end:].lstrip().startswith("**"):
+            return False
+        if s[:i].rstrip().endswith(")"):
+            close = len(s[:i].rstrip()) - 1
+            depth, k = 0, close
+            while k >= 0:
+                depth += {")": 1, "(": -1}.get(s[k], 0)
+                if depth == 0:
+                    break
+                k -= 1
+            if k < 0 or "**" in s[k:close]:
+                return False
+        i = s.find("**", i + 2)
+    return True
+
+
+def _to_sympy_syntax(s: str) -> str | None:
+    """Whitelisted sympy source for an answer, or None if it is not safe/supported."""
+    code = _latex_to_sympy(s)
+    if code is None or not re.fullmatch(r"[0-9A-Za-z+\-*/()., ]*", code):
+        return None
+    if re.search(r"\.\s*[A-Za-z_]", code):  # no attribute access
+        return None
+    if re.search(r"[eE][-+]?[0-9]{%d,}" % (MAX_EXPONENT_DIGITS + 1), code):  # 1e99999
+        return None
+    code = _split_identifiers(code)
+    if not code.strip() or not _powers_are_safe(code):
+        return None
+    return code
+
+
+def _parse(code: str):
+    """``parse_expr`` with ``evaluate=False`` in a minimal namespace."""
+    import sympy
+    from sympy.parsing.sympy_parser import (
+        convert_xor,
+        implicit_multiplication,
+        parse_expr,
+        standard_transformations,
+    )
+
+    # Every single letter is a plain symbol (shadowing sympy's S, N, O, Q, ...),
+    # except lowercase e (Euler's number) and i (imaginary unit).
+    names = {letter: sympy.Symbol(letter) for letter in string.ascii_letters}
+    names.update(e=sympy.E, i=sympy.I, pi=sympy.pi, oo=sympy.oo)
+    global_dict = {"__builtins__": {}}
+    for name in ("Integer", "Float", "Rational", "Symbol", "Function", "Add", "Mul", "Pow",
+                 "sqrt", "root", "log", "exp", "sin", "cos", "tan"):
+        global_dict[name] = getattr(sympy, name)
+    expr = parse_expr(
+        code,
+        local_dict=names,
+        global_dict=global_dict,
+        transformations=standard_transformations + (implicit_multiplication, convert_xor),
+        evaluate=False,
+    )
+    if not isinstance(expr, sympy.Expr):
+        return None
+    expr = expr.doit()  # evaluate now that the power guard has passed
+    if expr.has(sympy.nan, sympy.zoo):
+        return None
+    # Decimal literals -> exact rationals, so 1000001.0 != 10**6 exactly.
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in expr.atoms(sympy.Float)})
+
+
+# Symbolic bases raised to integer powers above this are compared numerically at
+# random points instead of with simplify(), which would expand them.
+_MAX_SYMBOLIC_POWER = 16
+
+
+def _numbers_close(x, y, rel_tol: float) -> bool:
+    """``|x - y| <= rel_tol * max(|x|, |y|)`` for finite sympy numbers."""
+    vx, vy = complex(x.evalf(30)), complex(y.evalf(30))
+    if not all(math.isfinite(v) for v in (vx.real, vx.imag, vy.real, vy.imag)):
+        return False
+    return abs(vx - vy) <= rel_tol * max(abs(vx), abs(vy))
+
+
+def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
+    import random
+
+    import sympy
+
+    code_a, code_b = _to_sympy_syntax(a), _to_sympy_syntax(b)
+    if code_a is None or code_b is None:
+        return False
+    ea, eb = _parse(code_a), _parse(code_b)
+    if ea is None or eb is None:
+        return False
+    if ea == eb:
+        return True
+    symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
+    big_power = any(
+        p.exp.is_Integer and abs(p.exp) > _MAX_SYMBOLIC_POWER and p.base.free_symbols
+        for e in (ea, eb)
+        for p in e.atoms(sympy.Pow)
+    )
+    if big_power:
+        # Randomised identity test (deterministic seed): agree at 3 points.
+        rng = random.Random(0)
+        for _ in range(3):
+            point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
+            if not _numbers_close(ea.subs(point), eb.subs(point), rel_tol):
+                return False
+        return True
+    diff = sympy.simplify(ea - eb)
+    if diff == 0:
+        return True
+    if diff.is_Rational or diff.has(sympy.nan, sympy.zoo) or symbols:
+        return False  # exact non-zero difference, undefined, or symbolic
+    return _numbers_close(ea, eb, rel_tol)
+
+
+def _equivalent(a: str, b: str, rel_tol: float) -> bool:
+    a, b = normalize_answer(a), normalize_answer(b)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    if len(a) > MAX_PARSE_CHARS or len(b) > MAX_PARSE_CHARS:
+        return False
+    fa, fb = _to_fraction(a), _to_fraction(b)
+    if fa is not None and fb is not None:
+        return fa == fb
+    sa, sb = _as_sequence(a), _as_sequence(b)
+    if sa is not None or sb is not None:
+        if sa is None or sb is None or sa[0] != sb[0] or len(sa[1]) != len(sb[1]):
+            return False
+        if sa[0] != "set":
+            return all(_equivalent(x, y, rel_tol) for x, y in zip(sa[1], sb[1]))
+        unmatched = list(sb[1])
+        for x in sa[1]:
+            hit = next((k for k, y in enumerate(unmatched) if _equivalent(x, y, rel_tol)), None)
+            if hit is None:
+                return False
+            unmatched.pop(hit)
+        return True
+    return _sympy_equivalent(a, b, rel_tol)
+
+
+def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool:
+    """Whether ``answer`` and ``reference`` denote the same mathematical value.
+
+    Fast paths: equal normalised strings, then exact rationals (ints, decimals,
+    ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
+    intervals element-wise (``\\{..\\}`` sets order-insensitively). Otherwise
+    both sides are rewritten from LaTeX to sympy syntax, guarded (length
+    <= ``MAX_PARSE_CHARS``, no huge or nested powers) and compared with
+    ``simplify(a - b) == 0``, then numerically to ``rel_tol`` (only when the
+    difference is not an exact rational). Anything that fails, raises or is
+    undefined (``1/0``, nan) gives False.
+    """
+    try:
+        if isinstance(reference, (int, float, Fraction)) and not isinstance(reference, bool):
+            reference = str(reference)
+        if not isinstance(answer, str) or not isinstance(reference, str):
+            return False
+        return _equivalent(answer, reference, rel_tol)
+    except Exception:  # noqa: BLE001 - graders must never crash training
+        return False
+
+
+def math_verify(completion: str, reference: str) -> float:
+    """1.0 if the extracted final answer is equivalent to ``reference``, else 0.0.
+
+    Never raises.
+    """
+    try:
+        answer = extract_answer(completion)
+        return 1.0 if answer is not None and is_equivalent(answer, reference) else 0.0
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def arithmetic_reward(completion: str, reference: str) -> float:
+    """Default task reward: 1.0 iff the answer after the last ``####`` is correct.
+
+    Only the ``####`` format counts (no fallbacks: the model must follow the
+    format). Never raises.
+    """
+    try:
+        if not isinstance(completion, str):
+            return 0.0
+        answer = _clean(_after_hashes(completion))
+        return 1.0 if answer is not None and is_equivalent(answer, reference) else 0.0
+    except Exception:  # noqa: BLE001
+        return 0.0

@@ -1,0 +1,30 @@
+"""Module-level reward functions for the RewardPool tests.
+
+Spawned workers import these by name, so they must live in an importable
+module (tests/ is put on sys.path by pytest and by test_rewards.py, and the
+parent's sys.path is passed on to spawned children).
+"""
+
+import os
+import time
+
+
+def exact_match(completion: str, reference: str) -> float:
+    """1.0 when the stripped strings match."""
+    return float(completion.strip() == reference.strip())
+
+
+def chaos(completion: str, reference: str):
+    """Misbehaves on command: "raise", "hang", "exit", "nan", "str", else exact match."""
+    if completion == "raise":
+        raise ValueError("boom")
+    if completion == "hang":
+        while True:
+            time.sleep(1.0)
+    if completion == "exit":
+        os._exit(1)
+    if completion == "nan":
+        return float("nan")
+    if completion == "str":
+        return "1.0"
+    return exact_match(completion, reference)

@@ -1,0 +1,331 @@
+"""Tests for jaxrl.configlib: YAML + overrides -> frozen dataclasses, with located errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from jaxrl.configlib import ConfigError, dump_yaml, from_dict, load_config, replace_path, to_dict
+
+
+@dataclass(frozen=True)
+class Optim:
+    learning_rate: float = field(default=3e-4, metadata={"gt": 0})
+    warmup_steps: int = field(default=0, metadata={"ge": 0})
+    schedule: Literal["constant", "cosine"] = "cosine"
+    betas: tuple[float, ...] = (0.9, 0.95)
+
+
+@dataclass(frozen=True)
+class Model:
+    dims: tuple[int, ...] = (64, 64)
+    name: str = "tiny"
+    dropout: float | None = None
+    heads: Literal[1, 2, 4] = 2
+
+
+@dataclass(frozen=True)
+class Root:
+    seed: int = 0
+    total_steps: int = field(default=100, metadata={"gt": 0})
+    debug: bool = False
+    optim: Optim = field(default_factory=Optim)
+    model: Model = field(default_factory=lambda: Model(name="base"))
+
+    def validate(self):
+        if self.optim.warmup_steps > self.total_steps:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must not exceed "
+                             f"total_steps ({self.total_steps})")
+
+
+@dataclass(frozen=True)
+class Checked:
+    low: int = 0
+    high: int = 1
+
+    def validate(self):
+        if self.low >= self.high:
+            raise ValueError("low must be < high")
+
+
+@dataclass(frozen=True)
+class WithChecked:
+    window: Checked = field(default_factory=Checked)
+
+
+@dataclass(frozen=True)
+class BadSchema:
+    items: list = field(default_factory=list)
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def raises(fn, *parts):
+    """Call fn, expect ConfigError, and check that every part appears in the message."""
+    with pytest.raises(ConfigError) as info:
+        fn()
+    msg = str(info.value)
+    for part in parts:
+        assert part in msg, f"{part!r} not in {msg!r}"
+    return msg
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_defaults_only():
+    cfg = load_config(Root)
+    assert cfg == Root()
+    assert cfg.model.name == "base"  # default_factory values are kept, not Model()
+
+
+def test_file_values_and_defaults(tmp_path):
+    path = write(tmp_path, """
+        seed: 7
+        optim:
+          learning_rate: 1e-3   # plain YAML 1.1 "string", read as a float
+          warmup_steps: 10
+          betas: [0.8, 1]
+        model:
+          dims: [1, 2, 3]
+          dropout: 0.1
+    """)
+    cfg = load_config(Root, path)
+    assert cfg.seed == 7
+    assert cfg.optim == Optim(learning_rate=1e-3, warmup_steps=10, betas=(0.8, 1.0))
+    assert isinstance(cfg.optim.betas[1], float)
+    assert cfg.model == Model(dims=(1, 2, 3), name="base", dropout=0.1)
+    assert cfg.debug is False
+
+
+def test_int_accepted_for_float(tmp_path):
+    cfg = load_config(Root, write(tmp_path, "optim:\n  learning_rate: 1\n"))
+    assert cfg.optim.learning_rate == 1.0 and isinstance(cfg.optim.learning_rate, float)
+
+
+def test_empty_file_means_defaults(tmp_path):
+    assert load_config(Root, write(tmp_path, "# nothing\n")) == Root()
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, "seed: 1\nmodel:\n  dropout: 0.5\n")
+    cfg = load_config(Root, path, [
+        "seed=2",
+        "optim.learning_rate=1e-3",
+        "optim.schedule=constant",
+        "model.dims=[8, 16]",
+        "model.dropout=null",
+        "model.name=big",
+        "model.heads=4",
+        "debug=true",
+    ])
+    assert cfg.seed == 2
+    assert cfg.optim.learning_rate == 1e-3
+    assert cfg.optim.schedule == "constant"
+    assert cfg.model == Model(dims=(8, 16), name="big", dropout=None, heads=4)
+    assert cfg.debug is True
+
+
+def test_overrides_apply_in_order_and_without_file():
+    cfg = load_config(Root, None, ["seed=1", "seed=5", "optim.learning_rate=2"])
+    assert cfg.seed == 5 and cfg.optim.learning_rate == 2.0
+
+
+def test_override_mapping_merges_into_section():
+    cfg = load_config(Root, None, ["optim={warmup_steps: 3, schedule: constant}"])
+    assert cfg.optim == Optim(warmup_steps=3, schedule="constant")
+
+
+def test_from_dict_and_to_dict():
+    cfg = from_dict(Root, {"seed": 3, "model": {"dims": [4]}})
+    assert cfg.model.dims == (4,) and cfg.model.name == "base"
+    assert to_dict(cfg)["model"] == {"dims": [4], "name": "base", "dropout": None, "heads": 2}
+    raises(lambda: from_dict(Root, {"seed": "3"}, source="api"), "api: seed: expected an int")
+
+
+def test_dump_yaml_round_trip(tmp_path):
+    original = Root(seed=3, debug=True, total_steps=50,
+                    optim=Optim(learning_rate=1e-10, warmup_steps=5, schedule="constant"),
+                    model=Model(dims=(3, 5), name="1e-3", dropout=0.25, heads=4))
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_yaml(original))
+    assert load_config(Root, path) == original
+    assert load_config(Root, write(tmp_path, dump_yaml(Root()), "d.yaml")) == Root()
+
+
+def test_replace_path():
+    cfg = Root()
+    new = replace_path(cfg, "optim.learning_rate", 0.5)
+    assert new.optim.learning_rate == 0.5 and cfg.optim.learning_rate == 3e-4
+    assert new.model == cfg.model
+    assert replace_path(cfg, "optim.learning_rate", "1e-3").optim.learning_rate == 1e-3
+    assert replace_path(cfg, "model.dims", [1, 2]).model.dims == (1, 2)
+    assert replace_path(cfg, "model", {"name": "x"}).model == Model(name="x")
+    raises(lambda: replace_path(cfg, "optim.learnig_rate", 1.0), "unknown field 'learnig_rate' in optim",
+           "did you mean 'learning_rate'?")
+    raises(lambda: replace_path(cfg, "optim.learning_rate", -1), "optim.learning_rate: must be > 0")
+    raises(lambda: replace_path(cfg, "seed", True), "seed: expected an int, got True (bool)")
+    raises(lambda: replace_path(cfg, "optim.warmup_steps", 1000), "must not exceed")
+
+
+# --------------------------------------------------------------------------- file errors
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = write(tmp_path, """
+        seed: 1
+        optim:
+          learning_rat: 0.1
+    """)
+    msg = raises(lambda: load_config(Root, path), f"{path}:3:", "unknown field 'learning_rat' in optim",
+                 "did you mean 'learning_rate'?",
+                 "valid fields: betas, learning_rate, schedule, warmup_steps")
+    assert msg.startswith(f"{path}:3: ")
+
+
+def test_unknown_top_level_key_without_suggestion(tmp_path):
+    path = write(tmp_path, "seed: 1\nzzz: 2\n")
+    msg = raises(lambda: load_config(Root, path), f"{path}:2:", "unknown field 'zzz' at top level",
+                 "valid fields: debug, model, optim, seed, total_steps")
+    assert "did you mean" not in msg
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = write(tmp_path, "seed: 1\noptim:\n  warmup_steps: 2\n  learning_rate: abc\n")
+    raises(lambda: load_config(Root, path),
+           f"{path}:4: optim.learning_rate: expected a float, got 'abc' (str)")
+
+
+def test_quoted_number_is_not_coerced(tmp_path):
+    raises(lambda: load_config(Root, write(tmp_path, 'seed: "3"\n')),
+           ":1: seed: expected an int, got '3' (str)")
+    raises(lambda: load_config(Root, write(tmp_path, 'optim:\n  learning_rate: "1e-3"\n')),
+           ":2: optim.learning_rate: expected a float, got '1e-3' (str)")
+
+
+def test_bool_is_not_a_number(tmp_path):
+    raises(lambda: load_config(Root, write(tmp_path, "debug: false\nseed: true\n")), ":2: seed: expected an int")
+    raises(lambda: load_config(Root, write(tmp_path, "optim:\n  learning_rate: false\n")),
+           ":2: optim.learning_rate: expected a float, got False (bool)")
+
+
+def test_float_for_int_and_bad_tuple_item(tmp_path):
+    raises(lambda: load_config(Root, write(tmp_path, "seed: 1.5\n")), "seed: expected an int, got 1.5")
+    path = write(tmp_path, "model:\n  dims:\n    - 1\n    - x\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: model.dims[1]: expected an int, got 'x'")
+    raises(lambda: load_config(Root, write(tmp_path, "model:\n  dims: 3\n")),
+           ":2: model.dims: expected a list, got 3 (int)")
+
+
+def test_mapping_for_scalar_and_scalar_for_section(tmp_path):
+    raises(lambda: load_config(Root, write(tmp_path, "seed:\n  a: 1\n")),
+           ":1: seed: expected an int, got a mapping")
+    raises(lambda: load_config(Root, write(tmp_path, "seed: 1\noptim: 3\n")),
+           ":2: optim: expected a mapping of Optim fields, got 3 (int)")
+
+
+def test_literal_outside_choices(tmp_path):
+    path = write(tmp_path, "optim:\n  schedule: linear\n")
+    raises(lambda: load_config(Root, path),
+           f"{path}:2: optim.schedule: expected one of 'constant', 'cosine', got 'linear'")
+    raises(lambda: load_config(Root, write(tmp_path, "model:\n  heads: 3\n")),
+           ":2: model.heads: expected one of 1, 2, 4, got 3 (int)")
+
+
+def test_duplicate_keys(tmp_path):
+    path = write(tmp_path, """
+        optim:
+          learning_rate: 0.1
+          warmup_steps: 1
+          learning_rate: 0.2
+    """)
+    raises(lambda: load_config(Root, path),
+           f"{path}:4: optim.learning_rate: duplicate key (first defined at line 2)")
+    raises(lambda: load_config(Root, write(tmp_path, "seed: 1\nseed: 2\n")), ":2: seed: duplicate key")
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- 1\n- 2\n")
+    raises(lambda: load_config(Root, path), f"{path}:1:", "top level must be a mapping")
+
+
+def test_yaml_syntax_error(tmp_path):
+    path = write(tmp_path, "seed: 1\noptim:\n  learning_rate: [1, 2\n  warmup_steps: 3\n")
+    msg = raises(lambda: load_config(Root, path), f"{path}:", "invalid YAML")
+    line = int(msg.split(f"{path}:")[1].split(":")[0])
+    assert line in (3, 4)
+    raises(lambda: load_config(Root, write(tmp_path, "seed: 1\n  bad: indent\n")), ":2: invalid YAML")
+
+
+def test_missing_file(tmp_path):
+    raises(lambda: load_config(Root, tmp_path / "nope.yaml"), "nope.yaml", "not found")
+
+
+def test_bounds(tmp_path):
+    path = write(tmp_path, "seed: 1\noptim:\n  learning_rate: -1\n")
+    raises(lambda: load_config(Root, path), f"{path}:3: optim.learning_rate: must be > 0, got -1.0")
+    raises(lambda: load_config(Root, None, ["optim.warmup_steps=-1"]),
+           "override 'optim.warmup_steps=-1': optim.warmup_steps: must be >= 0, got -1")
+
+
+def test_validate_cross_check(tmp_path):
+    path = write(tmp_path, "total_steps: 5\noptim:\n  warmup_steps: 10\n")
+    raises(lambda: load_config(Root, path), f"{path}: optim.warmup_steps (10) must not exceed")
+    nested = write(tmp_path, "window:\n  low: 3\n  high: 2\n", "w.yaml")
+    raises(lambda: load_config(WithChecked, nested), f"{nested}:1: window: low must be < high")
+    raises(lambda: load_config(WithChecked, None, ["window.low=5"]),
+           "override 'window.low=5': window: low must be < high")
+
+
+def test_unsupported_schema_type():
+    with pytest.raises(TypeError, match="unsupported config field type"):
+        load_config(BadSchema)
+
+
+# --------------------------------------------------------------------------- override errors
+
+
+def test_override_unknown_field():
+    raises(lambda: load_config(Root, None, ["optim.lr=3"]),
+           "override 'optim.lr=3': unknown field 'lr' in optim",
+           "valid fields: betas, learning_rate, schedule, warmup_steps")
+    raises(lambda: load_config(Root, None, ["optimm.learning_rate=3"]),
+           "override 'optimm.learning_rate=3': unknown field 'optimm' at top level",
+           "did you mean 'optim'?")
+
+
+def test_override_malformed():
+    raises(lambda: load_config(Root, None, ["seed"]), "override 'seed'", "key=value")
+    raises(lambda: load_config(Root, None, ["optim..lr=1"]), "key=value")
+    raises(lambda: load_config(Root, None, ["seed=[1"]), "override 'seed=[1'", "cannot parse")
+
+
+def test_override_wrong_types():
+    raises(lambda: load_config(Root, None, ["optim=3"]),
+           "override 'optim=3': optim: expected a mapping of Optim fields, got 3 (int)")
+    raises(lambda: load_config(Root, None, ["seed=abc"]),
+           "override 'seed=abc': seed: expected an int, got 'abc' (str)")
+    raises(lambda: load_config(Root, None, ["optim.learning_rate=abc"]),
+           "optim.learning_rate: expected a float, got 'abc' (str)")
+    raises(lambda: load_config(Root, None, ["model.dims=[1, 2.5]"]), "model.dims[1]: expected an int")
+    raises(lambda: load_config(Root, None, ["seed.x=1"]), "override 'seed.x=1': seed: expected an int")
+
+
+def test_override_wins_over_bad_file_value_only_when_valid(tmp_path):
+    path = write(tmp_path, "optim:\n  learning_rate: abc\n")
+    assert load_config(Root, path, ["optim.learning_rate=0.1"]).optim.learning_rate == 0.1
+    raises(lambda: load_config(Root, path), f"{path}:2: optim.learning_rate")
+
+
+def test_configs_are_frozen():
+    cfg = load_config(Root)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3  # type: ignore[misc]

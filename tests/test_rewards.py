@@ -1,0 +1,295 @@
+"""Tests for jaxrl.rewards: answer extraction, equivalence, and the reward pool."""
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+# Spawned pool workers import the test reward functions by module name; make
+# sure tests/ is on sys.path (the parent's sys.path is passed to children).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import reward_fns  # noqa: E402
+
+from jaxrl.rewards import (  # noqa: E402
+    RewardPool,
+    RewardResult,
+    arithmetic_reward,
+    extract_answer,
+    is_equivalent,
+    math_verify,
+    normalize_answer,
+)
+
+# ---------------------------------------------------------------------------
+# extract_answer
+# ---------------------------------------------------------------------------
+
+EXTRACT_CASES = [
+    # boxed, with nested braces; the last balanced box wins
+    (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{\sqrt{2}}{2}"),
+    (r"\boxed{1} then \fbox{3}", "3"),
+    (r"\boxed{1} then \boxed{2", "1"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+    (r"\boxed{}", None),
+    # answer tags beat everything, last complete pair wins
+    ("<answer> 17 </answer>", "17"),
+    ("<answer>1</answer><answer>2</answer> \\boxed{4}", "2"),
+    ("<ANSWER>8</ANSWER>", "8"),
+    (r"<answer>so \boxed{9}</answer>", "9"),
+    # GSM8K ####, to end of line
+    ("work\n#### 42\nmore text", "42"),
+    ("#### $1,234.", "1,234"),
+    ("#### \n", None),
+    # "the answer is" / "answer:"
+    ("So the answer is 7.", "7"),
+    ("THE FINAL ANSWER IS 12. Thanks!", "12"),
+    (r"Answer: $\frac{3}{4}$", r"\frac{3}{4}"),
+    ("The answer is **42**.", "42"),
+    # last number fallback
+    ("I have 3 apples and -4 pears, 1,000.5 in total", "1,000.5"),
+    ("ratio is 3/4.", "3/4"),
+    ("10-3", "3"),
+    ("x = .5", ".5"),
+    ("$5$.", "5"),
+    # nothing
+    ("no numbers here", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("completion,expected", EXTRACT_CASES)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+def test_extract_answer_non_string():
+    assert extract_answer(None) is None  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# normalize_answer / is_equivalent
+# ---------------------------------------------------------------------------
+
+NORMALIZE_CASES = [
+    (" $1,234$ ", "1234"),
+    ("(1, 2)", "(1,2)"),
+    (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+    (r"\tfrac12", r"\frac{1}{2}"),
+    (r"\left( 1,2 \right)", "(1,2)"),
+    (r"5\text{ cm}", "5"),
+    (r"\text{(A)}", "(A)"),
+    (r"90^\circ", "90"),
+    (r"50\%", "50"),
+    ("x = 5.", "5"),
+    (r"3\!000", "3000"),
+    (r"\pi r^2", r"\pi r^2"),
+]
+
+
+@pytest.mark.parametrize("raw,expected", NORMALIZE_CASES)
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+EQUIVALENT = [
+    ("1,000", "1000"),
+    ("0.5", "1/2"),
+    ("0.5", r"\frac{1}{2}"),
+    (r"\dfrac12", "0.5"),
+    ("50%", "50"),
+    ("\u22123", "-3"),  # unicode minus
+    (r"2\sqrt{2}", "sqrt(8)"),
+    ("x=5", "5"),
+    (r"\pi/2", "1.5707963267948966"),
+    ("(1,2)", "(1, 2)"),
+    ("1e3", "1000"),
+    (r"-\frac{1}{2}", "-0.5"),
+    (r"2^{10}", "1024"),
+    (r"\sqrt[3]{8}", "2"),
+    (r"\frac{\frac{1}{2}}{2}", "0.25"),
+    (r"3 \times 4", "12"),
+    ("x^2+2x+1", "(x+1)^2"),
+    (r"\sin(\pi/6)", "1/2"),
+    (r"e^{i\pi}", "-1"),
+    (r"\{1,2\}", r"\{2,1\}"),
+    (r"\$1,234.50", "1234.5"),
+    (r"90^\circ", "90"),
+]
+
+NOT_EQUIVALENT = [
+    ("3", "4"),
+    ("12", "1.2"),
+    ("1000001", "10^6"),  # no loose tolerance for exact rationals
+    ("(1,2)", "(2,1)"),
+    ("[1,2)", "(1,2)"),
+    ("0.333333", "1/3"),
+    ("A", "B"),
+    (r"\frac{1}{0}", "1"),
+    (r"\frac{1}{0}", r"\frac{2}{0}"),
+    ("", ""),
+    ("x.__class__", "1"),
+    ("__import__('os')", "0"),
+]
+
+
+@pytest.mark.parametrize("answer,reference", EQUIVALENT)
+def test_is_equivalent_true(answer, reference):
+    assert is_equivalent(answer, reference)
+    assert is_equivalent(reference, answer)
+
+
+@pytest.mark.parametrize("answer,reference", NOT_EQUIVALENT)
+def test_is_equivalent_false(answer, reference):
+    assert not is_equivalent(answer, reference)
+    assert not is_equivalent(reference, answer)
+
+
+def test_math_verify():
+    assert math_verify(r"We get \boxed{\dfrac{1}{2}}.", "0.5") == 1.0
+    assert math_verify("The answer is 1,000.", "1000") == 1.0
+    assert math_verify("<answer>x = 5</answer>", "5") == 1.0
+    assert math_verify(r"\boxed{3}", "4") == 0.0
+    assert math_verify("no answer", "4") == 0.0
+    assert math_verify(None, "4") == 0.0  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# Adversarial inputs: fast, never raise, score 0
+# ---------------------------------------------------------------------------
+
+ADVERSARIAL = {
+    "tower_pow": r"\boxed{10**10**10}",
+    "tower_xor": r"\boxed{9^9^9^9}",
+    "product_exponent": r"\boxed{9^{999*999*999}}",
+    "nested_base": r"\boxed{((9^{999})^{999})^{999}}",
+    "huge_scientific": r"\boxed{1e999999}",
+    "div_zero": r"\boxed{\frac{1}{0}}",
+    "one_mb_digits": "7" * 1_000_000,
+    "one_mb_text": "the answer is " + "a " * 500_000,
+    "one_mb_open_braces": "\\boxed{" + "{" * 1_000_000,
+    "one_mb_boxes": "\\boxed{" * 150_000,
+    "one_mb_answer_tags": "<answer>" * 120_000,
+    "nested_braces": "\\boxed{" + "{" * 10_000 + "7" + "}" * 10_000 + "}",
+    "surrogates": "\ud800 \\boxed{\udfff} #### \ud83d",
+    "surrogate_answer": "The answer is 1\ud800",
+    "code": r"\boxed{__import__('os').system('echo hi')}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_inputs_are_fast_and_zero(name):
+    completion = ADVERSARIAL[name]
+    start = time.monotonic()
+    extract_answer(completion)
+    assert math_verify(completion, "1") == 0.0
+    assert arithmetic_reward(completion, "1") == 0.0
+    assert time.monotonic() - start < 5.0
+
+
+def test_adversarial_references_and_answers():
+    for bad in ("10**10**10", "9^9^9^9", r"\frac{1}{0}", "1" * 5000):
+        start = time.monotonic()
+        assert not is_equivalent(bad, "1")
+        assert not is_equivalent("1", bad)
+        assert time.monotonic() - start < 2.0
+
+
+# ---------------------------------------------------------------------------
+# arithmetic_reward
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion,reference,expected",
+    [
+        ("3 + 39 = 42\n#### 42", "42", 1.0),
+        ("#### 42.", "42", 1.0),
+        ("####1,000", "1000", 1.0),
+        ("#### -7", "-7", 1.0),
+        ("The answer is 42", "42", 0.0),  # no ####: format not followed
+        (r"\boxed{42}", "42", 0.0),
+        ("#### 41", "42", 0.0),
+        ("#### 42 is wrong, #### 41", "42", 0.0),  # last #### counts
+        ("", "42", 0.0),
+    ],
+)
+def test_arithmetic_reward(completion, reference, expected):
+    assert arithmetic_reward(completion, reference) == expected
+
+
+# ---------------------------------------------------------------------------
+# RewardPool
+# ---------------------------------------------------------------------------
+
+
+def test_pool_argument_validation():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool(reward_fns.exact_match, num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(reward_fns.exact_match, timeout_s=0)
+    with pytest.raises(TypeError, match="picklable"):
+        RewardPool(lambda c, r: 1.0)
+    pool = RewardPool(reward_fns.exact_match)
+    with pytest.raises(ValueError, match=r"len\(completions\)=2.*len\(references\)=1"):
+        pool.score(["a", "b"], ["a"])
+    pool.close()
+
+
+def test_pool_scores_math_verify_batch():
+    completions = [r"\boxed{\frac{1}{2}}", "#### 42", "the answer is 3", "\ud800 #### 5", "nope"]
+    references = ["0.5", "42", "4", "5", "1"]
+    with RewardPool(math_verify, num_workers=2, timeout_s=10.0) as pool:
+        result = pool.score(completions, references)
+        empty = pool.score([], [])
+    assert isinstance(result, RewardResult)
+    assert result.rewards.dtype == np.float32 and result.rewards.shape == (5,)
+    np.testing.assert_array_equal(result.rewards, [1, 1, 0, 1, 0])
+    assert (result.timeouts, result.errors) == (0, 0)
+    assert empty.rewards.shape == (0,)
+    metrics = result.metrics()
+    assert set(metrics) == {f"reward/{k}" for k in ("mean", "std", "timeouts", "errors", "seconds")}
+    assert math.isclose(metrics["reward/mean"], 0.6, rel_tol=1e-6)
+    assert set(result.metrics("eval/")) == {k.replace("reward/", "eval/") for k in metrics}
+
+
+def test_pool_survives_misbehaving_reward_fn():
+    timeout_s = 1.0
+    completions = ["a", "raise", "hang", "exit", "nan", "str", "b", "c"]
+    references = ["a", "x", "x", "x", "x", "x", "b", "x"]
+    with RewardPool(reward_fns.chaos, num_workers=2, timeout_s=timeout_s) as pool:
+        pool.score(["warm"], ["warm"])  # start the workers outside the timed call
+        start = time.monotonic()
+        result = pool.score(completions, references)
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(result.rewards, [1, 0, 0, 0, 0, 0, 1, 0])
+        assert result.timeouts == 1
+        assert result.errors == 4  # raise, exit, nan, non-numeric
+        assert elapsed < 4 * timeout_s
+        # Still healthy afterwards (dead/hung workers were replaced).
+        again = pool.score(["x", "y", "z", "w"], ["x", "y", "q", "w"])
+        np.testing.assert_array_equal(again.rewards, [1, 1, 0, 1])
+        assert (again.timeouts, again.errors) == (0, 0)
+        pool.close()
+        pool.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.score(["a"], ["a"])
+
+
+def test_pool_hanging_items_bounded_by_timeouts():
+    with RewardPool(reward_fns.chaos, num_workers=4, timeout_s=0.5) as pool:
+        pool.score(["a"] * 4, ["a"] * 4)  # warm up all workers
+        start = time.monotonic()
+        result = pool.score(["hang"] * 8, ["x"] * 8)
+        elapsed = time.monotonic() - start
+        assert result.timeouts == 8 and result.errors == 0
+        np.testing.assert_array_equal(result.rewards, np.zeros(8))
+        # 2 rounds of 0.5 s plus one round of worker restarts.
+        assert elapsed < 2.0 + 2.0, elapsed
+        assert pool.score(["a", "b"], ["a", "a"]).rewards.tolist() == [1.0, 0.0]
