@@ -39,14 +39,18 @@ class Tokenizer:
         return self._sp.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`, ignoring pad, BOS and everything from the first EOS on."""
+        """Text of `ids`, ignoring pad, BOS and everything from the first EOS on.
+
+        Ids the tokenizer does not have (a model vocabulary padded beyond it) decode as the unknown piece:
+        sampled tokens are model output and are never trusted to be in range.
+        """
         out = []
         for i in ids:
             i = int(i)
             if i == self.eos_id:
                 break
             if i not in (self.pad_id, self.bos_id):
-                out.append(i)
+                out.append(i if 0 <= i < self.vocab_size else self._sp.unk_id())
         return self._sp.decode(out)
 
 

@@ -28,3 +28,20 @@ def chaos(completion: str, reference: str):
     if completion == "str":
         return "1.0"
     return exact_match(completion, reference)
+
+
+def flaky_arithmetic(completion: str, reference: str) -> float:
+    """The default task's reward, except that every third call in a worker raises and every fifth hangs."""
+    global _calls
+    _calls += 1
+    if _calls % 5 == 0:
+        while True:
+            time.sleep(1.0)
+    if _calls % 3 == 0:
+        raise RuntimeError("a reward function bug")
+    from jaxrl.rewards import arithmetic_reward
+
+    return arithmetic_reward(completion, reference)
+
+
+_calls = 0

@@ -1,0 +1,59 @@
+"""The sentencepiece tokenizer of the built-in task and the batch layouts built from it."""
+
+import numpy as np
+import pytest
+
+from jaxrl.data import arithmetic
+from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    train, _ = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=500, num_eval=10), 0)
+    return train_tokenizer(arithmetic.tokenizer_corpus(train), 32)
+
+
+def test_round_trip_and_digits_split(tokenizer, tmp_path):
+    text = "23+8=31,31-5=26 #### 26"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode("1234")]
+    assert "".join(pieces) == "1234" and all(len(p) <= 1 for p in pieces)
+    tokenizer.save(tmp_path / "t.model")
+    assert Tokenizer.from_file(tmp_path / "t.model").encode(text) == tokenizer.encode(text)
+
+
+def test_training_is_deterministic(tokenizer):
+    train, _ = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=500, num_eval=10), 0)
+    assert train_tokenizer(arithmetic.tokenizer_corpus(train), 32).model_proto == tokenizer.model_proto
+
+
+def test_decode_stops_at_eos_and_tolerates_out_of_range_ids(tokenizer):
+    ids = [tokenizer.bos_id, *tokenizer.encode("12"), tokenizer.eos_id, *tokenizer.encode("99")]
+    assert tokenizer.decode(ids) == "12"
+    assert "12" in tokenizer.decode([*tokenizer.encode("12"), tokenizer.vocab_size + 3, -1])
+
+
+def test_layouts(tokenizer):
+    tokens, valid = encode_prompts(tokenizer, ["1+2=", "10+20-3="], 12)
+    assert tokens.shape == (2, 12) and valid[:, -1].all() and not valid[0, 0]
+    assert tokens[0, np.argmax(valid[0])] == tokenizer.bos_id  # BOS right after the left padding
+    with pytest.raises(ValueError, match="more than the prompt length 3"):
+        encode_prompts(tokenizer, ["10+20-3="], 3)
+    full, prompt_valid, mask = encode_examples(tokenizer, ["1+2="], ["1+2=3 #### 3"], 8, 16)
+    assert full.shape == (1, 24) and mask.sum() == len(tokenizer.encode("1+2=3 #### 3")) + 1
+    assert full[0, 8 + mask.sum() - 1] == tokenizer.eos_id
+
+
+def test_held_out_problems_never_in_training_split():
+    config = arithmetic.ArithmeticTaskConfig(num_train=5000, num_eval=256)
+    train, held_out = arithmetic.make_splits(config, 7)
+    assert len(held_out) == 256 and not {p.prompt for p in train} & {p.prompt for p in held_out}
+    assert arithmetic.make_splits(config, 7)[1] == held_out
+
+
+def test_sloppy_teacher_forgets_carries_only():
+    problem = arithmetic.Problem(23, (("+", 8), ("-", 5), ("+", 1)))
+    assert arithmetic.solution(problem) == "23+8=31,31-5=26,26+1=27 #### 27"
+    always = arithmetic.solution(problem, 1.0, np.random.default_rng(0))
+    assert always == "23+8=21,21-5=26,26+1=27 #### 27"  # 23+8 carries (forgot); 21-5 borrows (forgot: 26)
+    assert problem.answer == 27 and problem.prompt == "23+8-5+1="
