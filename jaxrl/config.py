@@ -64,6 +64,8 @@ class RLConfig:
     optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
 
     def validate(self) -> None:
+        if self.sampling.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 for RL (greedy groups carry no signal)")
         batch = self.prompts_per_step * self.group_size
         if batch % self.minibatches:
             raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by "

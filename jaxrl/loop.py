@@ -101,12 +101,19 @@ def warm_start(state: TrainState, config: Config, tokenizer, train_problems, pro
     return state
 
 
-def rl_update(state, step_fn, logprob_fn, rollout: Rollout, advantages, config: Config, mesh, step: int):
-    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics)."""
+def rl_update(state, step_fn, logprob_fn, rollout: Rollout, advantages, config: Config, mesh, step: int,
+              ref_policy=None):
+    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics).
+
+    `ref_policy` (the frozen warm-start policy) is needed when the loss has a KL term.
+    """
     batch = {"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
              "completion_mask": rollout.completion_mask, "advantages": np.asarray(advantages, np.float32)}
     batch = shard_batch(batch, mesh)
-    batch["old_logp"] = logprob_fn(state.policy, batch["tokens"], batch["prompt_valid"])[0]
+    temperature = config.rl.sampling.temperature
+    batch["old_logp"] = logprob_fn(state.policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
+    if config.rl.loss.kl_coef:
+        batch["ref_logp"] = logprob_fn(ref_policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
     size = rollout.tokens.shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
     collected = []
@@ -200,6 +207,7 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
 
 def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer):
     rl = config.rl
+    ref_policy = state.policy  # frozen warm-start policy for the optional KL term
     state = init_train_state(state.policy, optimizer_from(rl.optim))
     step_fn = make_grpo_step(optimizer_from(rl.optim), rl.loss, rl.sampling.temperature)
     logprob_fn = jax.jit(completion_logprobs, static_argnames="temperature")
@@ -221,7 +229,7 @@ def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, 
         t2 = time.perf_counter()
         advantages = grpo_advantages(jnp.asarray(scored.rewards), rl.group_size, normalize_std=rl.normalize_std)
         state, metrics = rl_update(state, step_fn, logprob_fn, rollout, advantages, config,
-                                   generate.mesh, step)
+                                   generate.mesh, step, ref_policy)
         t3 = time.perf_counter()
         totals["reward_timeouts_total"] += scored.timeouts
         totals["reward_errors_total"] += scored.errors

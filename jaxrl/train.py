@@ -80,7 +80,7 @@ def make_sft_step(optimizer: optax.GradientTransformation) -> StepFn:
     @jax.jit
     def sft_step(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.policy.params, state.policy, batch)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return _apply_gradients(state, optimizer, grads), metrics
 
     return sft_step
@@ -106,7 +106,7 @@ def make_grpo_step(
     @jax.jit
     def grpo_step(state: TrainState, batch: Batch):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.policy.params, state.policy, batch)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return _apply_gradients(state, optimizer, grads), metrics
 
     return grpo_step

@@ -76,3 +76,17 @@ def test_reward_function_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tm
     assert summary["reward_timeouts_total"] > 0 and summary["reward_errors_total"] > 0
     assert sum(r["reward/timeouts"] for r in records) == summary["reward_timeouts_total"]
     assert sum(r["reward/errors"] for r in records) == summary["reward_errors_total"]
+
+
+def test_same_seed_same_run(tmp_path):
+    """Reproducibility: two runs with one seed log identical metrics (timings aside)."""
+    drop_timings = lambda rs: [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k}
+                               for r in rs]
+    extra = ["rl.steps=2", "eval.every=0", "checkpoint.every=0", "sft.steps=3"]
+    runs = []
+    for name in ("a", "b"):
+        loop.run(tiny_config(tmp_path / name, *extra))
+        runs.append(drop_timings(read_metrics(tmp_path / name / "metrics.jsonl")))
+    assert runs[0] == runs[1]
+    loop.run(tiny_config(tmp_path / "c", *extra, "seed=1"))
+    assert drop_timings(read_metrics(tmp_path / "c" / "metrics.jsonl")) != runs[0]
