@@ -29,17 +29,13 @@ from jaxrl.data import arithmetic
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.sampling import Rollout, SamplingConfig, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
-from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, train_tokenizer
+from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, round_up, train_tokenizer
 from jaxrl.train import (TrainState, completion_logprobs, init_train_state, make_grpo_step, make_optimizer,
                          make_sft_step)
 
 log = logging.getLogger("jaxrl")
 
 REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify}
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def optimizer_from(config: OptimConfig):
@@ -88,10 +84,7 @@ def warm_start(state: TrainState, config: Config, tokenizer, train_problems, pro
     bar = tqdm(range(config.sft.steps), desc="warm start", disable=not config.progress, dynamic_ncols=True)
     for step in bar:
         prompts, solutions = zip(*(next(examples) for _ in range(config.sft.batch_size)))
-        # Pad completions to the batch's longest (+ EOS), rounded up to 8: a few compiled shapes, little waste.
-        completion_length = round_up(1 + max(len(tokenizer.encode(s)) for s in solutions), 8)
-        tokens, prompt_valid, mask = encode_examples(tokenizer, prompts, solutions, prompt_length,
-                                                     completion_length)
+        tokens, prompt_valid, mask = encode_examples(tokenizer, prompts, solutions, prompt_length)
         batch = shard_batch({"tokens": tokens, "prompt_valid": prompt_valid, "completion_mask": mask}, mesh)
         state, metrics = step_fn(state, batch)
         if step % 25 == 0 or step == config.sft.steps - 1:

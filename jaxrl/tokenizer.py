@@ -65,6 +65,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(proto.getvalue())
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
     """BOS + prompt tokens, left-padded to `length`.
 
@@ -85,18 +89,23 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int) ->
 
 def encode_examples(
     tokenizer: Tokenizer, prompts: Sequence[str], completions: Sequence[str], prompt_length: int,
-    completion_length: int,
+    completion_length: int | None = None, round_to: int = 8,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Prompt (left-padded) + completion + EOS (right-padded), the layout the sampler produces.
+
+    `completion_length=None` pads to the longest completion (with EOS) rounded up to `round_to`, so that a
+    stream of batches compiles a few shapes and wastes little compute on padding.
 
     Returns `(tokens [B, prompt_length + completion_length], prompt_valid [B, prompt_length],
     completion_mask [B, completion_length])`.
     """
     prompt_tokens, prompt_valid = encode_prompts(tokenizer, prompts, prompt_length)
+    encoded = [[*tokenizer.encode(text), tokenizer.eos_id] for text in completions]
+    if completion_length is None:
+        completion_length = round_up(max(map(len, encoded)), round_to)
     completion = np.full((len(prompts), completion_length), tokenizer.pad_id, np.int32)
     mask = np.zeros((len(prompts), completion_length), bool)
-    for row, text in enumerate(completions):
-        ids = [*tokenizer.encode(text), tokenizer.eos_id]
+    for row, (text, ids) in enumerate(zip(completions, encoded)):
         if len(ids) > completion_length:
             raise ValueError(f"completion {row} has {len(ids)} tokens (with EOS), more than "
                              f"{completion_length}: {text[:80]!r}")
