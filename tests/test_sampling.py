@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import models
 from jaxrl.sampling import FINISH_EOS, FINISH_LENGTH, SamplingConfig, filter_logits, sample

@@ -6,7 +6,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 
 from jaxrl import loop
 from jaxrl.config import Config
