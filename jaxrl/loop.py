@@ -94,24 +94,32 @@ def warm_start(state: TrainState, config: Config, tokenizer, train_problems, pro
     return state
 
 
-def rl_update(state, step_fn, logprob_fn, rollout: Rollout, advantages, config: Config, mesh, step: int,
-              ref_policy=None):
-    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics).
+def rollout_batch(policy, logprob_fn, rollout: Rollout, config: Config, mesh, ref_policy=None) -> dict:
+    """A rollout placed on the mesh, with its old (and reference) log-probs `[B, N]`.
 
-    `ref_policy` (the frozen warm-start policy) is needed when the loss has a KL term.
+    The log-prob computations are only dispatched here: the device runs them while the host scores the
+    rewards of the same rollout. `ref_policy` (the frozen warm-start policy) is needed for a KL term.
     """
-    batch = {"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
-             "completion_mask": rollout.completion_mask, "advantages": np.asarray(advantages, np.float32)}
-    batch = shard_batch(batch, mesh)
+    batch = shard_batch({"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
+                         "completion_mask": rollout.completion_mask}, mesh)
     temperature = config.rl.sampling.temperature
-    batch["old_logp"] = logprob_fn(state.policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
+    batch["old_logp"] = logprob_fn(policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
     if config.rl.loss.kl_coef:
         batch["ref_logp"] = logprob_fn(ref_policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
-    size = rollout.tokens.shape[0] // config.rl.minibatches
+    return batch
+
+
+def rl_update(state, step_fn, batch: dict, advantages, config: Config, mesh, step: int):
+    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics).
+
+    `advantages` `[B]` are per sequence; minibatches are drawn by a permutation seeded by (seed, step).
+    """
+    batch = {**batch, "advantages": shard_batch(np.asarray(advantages, np.float32), mesh)}
+    size = batch["tokens"].shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
     collected = []
     for _ in range(config.rl.epochs):
-        order = order_rng.permutation(rollout.tokens.shape[0]) if config.rl.minibatches > 1 else None
+        order = order_rng.permutation(batch["tokens"].shape[0]) if config.rl.minibatches > 1 else None
         for m in range(config.rl.minibatches):
             minibatch = batch if order is None else jax.tree.map(
                 lambda x: x[order[m * size:(m + 1) * size]], batch)
@@ -218,11 +226,11 @@ def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, 
         references = [str(p.answer) for p in problems for _ in range(rl.group_size)]
         rollout, texts = generate(state.policy, prompts, jax.random.fold_in(rl_key, step), rl.sampling)
         t1 = time.perf_counter()
-        scored = pool.score(texts, references)
+        batch = rollout_batch(state.policy, logprob_fn, rollout, config, generate.mesh, ref_policy)
+        scored = pool.score(texts, references)  # on the host, while the device computes the log-probs
         t2 = time.perf_counter()
         advantages = grpo_advantages(jnp.asarray(scored.rewards), rl.group_size, normalize_std=rl.normalize_std)
-        state, metrics = rl_update(state, step_fn, logprob_fn, rollout, advantages, config,
-                                   generate.mesh, step, ref_policy)
+        state, metrics = rl_update(state, step_fn, batch, advantages, config, generate.mesh, step)
         t3 = time.perf_counter()
         totals["reward_timeouts_total"] += scored.timeouts
         totals["reward_errors_total"] += scored.errors
