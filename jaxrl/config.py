@@ -74,9 +74,12 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    function: Literal["arithmetic", "math"] = "arithmetic"  # see jaxrl.rewards.REWARD_FUNCTIONS
+    function: Literal["arithmetic", "math", "code"] = "arithmetic"  # see jaxrl.loop.REWARD_FUNCTIONS
     num_workers: int = _field(2, ge=1)
     timeout_s: float = _field(2.0, gt=0)  # per completion; a stuck worker is killed and replaced
+    # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
+    # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
+    batch_timeout_s: float | None = _field(None, gt=0)
 
 
 @dataclasses.dataclass(frozen=True)

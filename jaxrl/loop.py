@@ -26,6 +26,7 @@ from jaxrl.advantages import grpo_advantages
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
+from jaxrl.data.batching import shuffled_batches
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.sampling import Rollout, SamplingConfig, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
@@ -35,7 +36,8 @@ from jaxrl.train import (TrainState, completion_logprobs, init_train_state, make
 
 log = logging.getLogger("jaxrl")
 
-REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify}
+REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify,
+                    "code": rewards.code_reward}
 
 
 def optimizer_from(config: OptimConfig):
@@ -158,8 +160,8 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
     with MetricsWriter(os.path.join(out, "metrics.jsonl")) as writer, \
-            rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers,
-                               timeout_s=config.reward.timeout_s) as pool:
+            rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
+                               batch_timeout_s=config.reward.batch_timeout_s) as pool:
         t0 = time.perf_counter()
         state = warm_start(init_train_state(policy, optimizer_from(config.sft.optim)), config, tokenizer,
                            train_problems, prompt_length, mesh, writer)
@@ -212,7 +214,7 @@ def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, 
     state = init_train_state(state.policy, optimizer_from(rl.optim))
     step_fn = make_grpo_step(optimizer_from(rl.optim), rl.loss, rl.sampling.temperature)
     logprob_fn = jax.jit(completion_logprobs, static_argnames="temperature")
-    prompts_iter = arithmetic.prompt_batches(train_problems, rl.prompts_per_step, config.seed)
+    prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0}
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)

@@ -180,6 +180,13 @@ ADVERSARIAL = {
     "surrogates": "\ud800 \\boxed{\udfff} #### \ud83d",
     "surrogate_answer": "The answer is 1\ud800",
     "code": r"\boxed{__import__('os').system('echo hi')}",
+    "tower_plain": "The answer is 10**10**10",
+    "nested_frac_2000": "\\boxed{" + "\\frac{" * 2000 + "1" + "}{2}" * 2000 + "}",
+    "nested_sqrt_2000": "\\boxed{" + "\\sqrt{" * 2000 + "4" + "}" * 2000 + "}",
+    "nested_frac_short": "\\boxed{" + "\\frac{" * 30 + "1" + "}{1}" * 30 + "}",
+    "invalid_utf8": b"\xff\xfe so \\boxed{\xc3\x28} #### \xed\xa0\x80 1".decode(
+        "utf-8", "surrogateescape"
+    ),
 }
 
 
@@ -293,3 +300,61 @@ def test_pool_hanging_items_bounded_by_timeouts():
         # 2 rounds of 0.5 s plus one round of worker restarts.
         assert elapsed < 2.0 + 2.0, elapsed
         assert pool.score(["a", "b"], ["a", "a"]).rewards.tolist() == [1.0, 0.0]
+
+
+def test_pool_batch_timeout_validation():
+    for bad in (0, -1.0, math.inf, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="batch_timeout_s"):
+            RewardPool(reward_fns.exact_match, batch_timeout_s=bad)
+    assert RewardPool(reward_fns.exact_match, batch_timeout_s=None).batch_timeout_s is None
+
+
+def test_pool_batch_of_hanging_items_takes_about_one_timeout():
+    with RewardPool(reward_fns.chaos, num_workers=2, timeout_s=0.5, batch_timeout_s=1.0) as pool:
+        pool.score(["a"] * 2, ["a"] * 2)  # warm up
+        start = time.monotonic()
+        result = pool.score(["hang"] * 16, ["x"] * 16)
+        elapsed = time.monotonic() - start
+        assert (result.timeouts, result.errors) == (16, 0)
+        np.testing.assert_array_equal(result.rewards, np.zeros(16))
+        assert elapsed < 2.5, elapsed  # per-item semantics would take ~4 s + restarts
+        # The pool recovers: killed workers were replaced.
+        assert pool.score(["a", "b"], ["a", "a"]).rewards.tolist() == [1.0, 0.0]
+
+
+def test_pool_batch_timeout_does_not_zero_fast_queued_items():
+    n = 200
+    completions = [f"item{i}" for i in range(n)]
+    references = [f"item{i}" if i % 3 else "other" for i in range(n)]
+    expected = [float(i % 3 != 0) for i in range(n)]
+    with RewardPool(reward_fns.exact_match, num_workers=2, timeout_s=0.5, batch_timeout_s=1.0) as pool:
+        for _ in range(2):  # the first call also starts the workers
+            result = pool.score(completions, references)
+            assert (result.timeouts, result.errors) == (0, 0)
+            assert result.rewards.tolist() == expected
+
+
+def test_pool_batch_timeout_mixed_batch_scores_fast_items():
+    completions = ["hang", "a", "b", "c", "hang", "d", "e", "f", "g", "h"]
+    references = ["x", "a", "b", "x", "x", "d", "e", "x", "g", "h"]
+    with RewardPool(reward_fns.chaos, num_workers=2, timeout_s=0.5, batch_timeout_s=4.0) as pool:
+        pool.score(["a"] * 2, ["a"] * 2)
+        start = time.monotonic()
+        result = pool.score(completions, references)
+        elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(result.rewards, [0, 1, 1, 0, 0, 1, 1, 0, 1, 1])
+    assert (result.timeouts, result.errors) == (2, 0)
+    assert elapsed < 4.0, elapsed
+
+
+def test_pool_adversarial_inputs_score_zero_within_timeout():
+    names = sorted(ADVERSARIAL)
+    timeout_s = 10.0
+    with RewardPool(math_verify, num_workers=2, timeout_s=timeout_s) as pool:
+        pool.score(["warm"] * 2, ["1"] * 2)
+        start = time.monotonic()
+        result = pool.score([ADVERSARIAL[k] for k in names], ["1"] * len(names))
+        elapsed = time.monotonic() - start
+    assert (result.timeouts, result.errors) == (0, 0), names
+    assert dict(zip(names, result.rewards.tolist())) == dict.fromkeys(names, 0.0)
+    assert elapsed < timeout_s

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-import grain
 import numpy as np
 
 
@@ -100,12 +99,6 @@ def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem],
         if p.prompt not in held_out:
             train.setdefault(p.prompt, p)
     return list(train.values()), list(held_out.values())
-
-
-def prompt_batches(problems: list[Problem], batch_size: int, seed: int) -> grain.DatasetIterator:
-    """Endless shuffled batches (lists of `Problem`) as a checkpointable grain iterator."""
-    dataset = grain.MapDataset.source(problems).shuffle(seed=seed).repeat().batch(batch_size, batch_fn=list)
-    return iter(dataset.to_iter_dataset())
 
 
 def teacher_examples(

@@ -1,4 +1,5 @@
-"""Host-side verifiable rewards: math answer checking and a sandboxed scoring pool.
+"""Host-side verifiable rewards: math answer checking, sandboxed code execution, format and length
+shaping, and a worker pool with hard timeouts.
 
 Importing this package is cheap (no jax/flax; sympy is imported lazily the
 first time a symbolic comparison is needed).
@@ -12,13 +13,34 @@ from jaxrl.rewards.math import (
     normalize_answer,
 )
 from jaxrl.rewards.pool import RewardPool, RewardResult
+from jaxrl.rewards.sandbox import CodeResult, SandboxLimits, code_reward, extract_code, run_program, run_tests
+from jaxrl.rewards.shaping import (
+    ComposedRewards,
+    compose,
+    dapo_overlong_penalty,
+    format_reward,
+    length_penalty,
+    truncation_mask,
+)
 
 __all__ = [
+    "CodeResult",
+    "ComposedRewards",
     "RewardPool",
     "RewardResult",
+    "SandboxLimits",
     "arithmetic_reward",
+    "code_reward",
+    "compose",
+    "dapo_overlong_penalty",
     "extract_answer",
+    "extract_code",
+    "format_reward",
     "is_equivalent",
+    "length_penalty",
     "math_verify",
     "normalize_answer",
+    "run_program",
+    "run_tests",
+    "truncation_mask",
 ]

@@ -61,15 +61,15 @@ def _last_match(pattern: re.Pattern, text: str, pos: int = 0, endpos: int | None
 
 
 def _clean(s: str | None) -> str | None:
-    """Strip whitespace, ``$``, markdown bold and trailing periods; None if empty."""
+    """Strip whitespace, ``$``, markdown ``*`` at either end and trailing periods; None if empty."""
     if s is None:
         return None
     prev = None
     while s != prev:
         prev = s
         s = s.strip().strip("$").strip()
-        if len(s) > 4 and s.startswith("**") and s.endswith("**"):
-            s = s[2:-2]
+        # Markdown bold, also unbalanced ("**Answer:** 9" leaves "** 9").
+        s = s.strip("*")
         s = s.rstrip(".")
     return s or None
 
@@ -185,6 +185,13 @@ _TEXT_RE = re.compile(
 _UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*\{?\s*[0-9]\s*\}?)?\s*\Z")
 # Keep one space between a LaTeX command and a following letter ("\pi r").
 _SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
+# A plain number followed by unit words ("5 cm", "4 hours", "40 percent",
+# "12 cm^2"); words that are mathematics ("2 pi", "3 sqrt") are not units.
+_PLAIN_UNITS_RE = re.compile(
+    r"([-+]?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+))[ \t]*"
+    r"(?!(?:pi|sqrt|ln|log|sin|cos|tan|exp|infty|oo)(?![A-Za-z]))"
+    r"[A-Za-z]{2,}\.?(?:[ \t]+[A-Za-z]{2,}\.?)*(?:[ \t]*\^[ \t]*\{?[0-9]\}?)?"
+)
 _ASSIGNMENT_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
 _THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
@@ -201,7 +208,8 @@ def normalize_answer(s: str) -> str:
     """Canonical string form of an answer, for exact comparison.
 
     Removes whitespace, ``$``, ``\\!``/``\\,``-style spacing, ``\\left``/``\\right``,
-    ``\\text{...}`` unit wrappers, degrees (``^\\circ``), percent signs, trailing
+    ``\\text{...}`` unit wrappers, plain unit words after a number (``5 cm``,
+    ``40 percent``), degrees (``^\\circ``), percent signs, trailing
     periods, thousands separators (``1,234`` but not ``(1,2)``) and a leading
     single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac`` to
     ``\\frac`` and expands ``\\frac12``/``\\sqrt2`` shorthands. Linear time.
@@ -215,6 +223,9 @@ def normalize_answer(s: str) -> str:
     s = _DEGREES_RE.sub("", s)
     s = s.replace("\\%", "%").replace("{,}", ",")
     s = _strip_text_wrappers(s)
+    m = _PLAIN_UNITS_RE.fullmatch(s.strip())
+    if m is not None:
+        s = m.group(1)
     s = _SPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s).strip()
     s = s.rstrip(".")
     if s.endswith("%"):
@@ -237,6 +248,7 @@ def normalize_answer(s: str) -> str:
 
 _DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?")
 _LATEX_FRAC_RE = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
+_WORD_RE = re.compile(r"[A-Za-z]{2,}")
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
 _CLOSERS = {")", "]", "}"}
 
@@ -536,6 +548,10 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
         return True
     if len(a) > MAX_PARSE_CHARS or len(b) > MAX_PARSE_CHARS:
         return False
+    if _WORD_RE.fullmatch(a) and _WORD_RE.fullmatch(b):
+        # Text answers ("Yes", "True", "Monday"): case-insensitive, never
+        # symbolic (as products of symbols "on" would equal "no").
+        return a.casefold() == b.casefold()
     fa, fb = _to_fraction(a), _to_fraction(b)
     if fa is not None and fb is not None:
         return fa == fb
@@ -558,7 +574,9 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
 def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool:
     """Whether ``answer`` and ``reference`` denote the same mathematical value.
 
-    Fast paths: equal normalised strings, then exact rationals (ints, decimals,
+    Fast paths: equal normalised strings; two purely alphabetic words of 2+
+    letters are text answers compared case-insensitively (``Yes`` == ``yes``,
+    and so ``xy`` != ``yx``); then exact rationals (ints, decimals,
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
     intervals element-wise (``\\{..\\}`` sets order-insensitively). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length

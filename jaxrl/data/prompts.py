@@ -1,0 +1,199 @@
+"""Prompt sets from local files: JSONL or Parquet rows -> `PromptRecord(prompt, reference, source)`.
+
+Which fields hold the prompt and the reference, the prompt template, and how the reference is extracted
+are described by `PromptFields`. Presets for common layouts:
+
+- GSM8K: `PromptFields("question", "answer", reference_pattern=r"#### (.+)$")`
+- MATH: `PromptFields("problem", "solution", reference_from="boxed")` (`jaxrl.rewards.math.extract_answer`:
+  the last `\\boxed{...}`, falling back to `####`, "the answer is", then the last number)
+- code contests: `PromptFields("prompt", "tests")`; a list/dict reference (whatever its field name) becomes
+  `json.dumps({"tests": value})`, a number `json.dumps(value)` (e.g. `"42"`).
+
+Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>` for Parquet, 0-based), or with
+`skip_bad_rows=True` are skipped, counted and the first few logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import string
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import grain
+
+from jaxrl.data.batching import shuffled_batches
+from jaxrl.rewards.math import extract_answer
+
+__all__ = ["PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
+_MAX_LOGGED_BAD_ROWS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    prompt: str  # templated prompt text, ready for the tokenizer
+    reference: str  # what the reward function compares against
+    source: str  # "file:line" (JSONL, 1-based) or "file:row N" (Parquet, 0-based)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFields:
+    """Where a row keeps its prompt and reference, and how to turn them into a `PromptRecord`."""
+
+    prompt: str = "question"  # row field holding the prompt text (must be a string)
+    reference: str = "answer"  # row field holding the reference (string, number, list or dict)
+    template: str = "{prompt}"  # str.format template; its only field is {prompt}
+    reference_pattern: str | None = None  # regex searched in the reference; group 1 is the reference
+    reference_from: Literal["field", "boxed"] = "field"  # "boxed": extract_answer() of the field
+
+    def __post_init__(self) -> None:
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}
+            if names != {"prompt"}:
+                raise ValueError(f"fields {sorted(names)}")
+            self.template.format(prompt="")
+        except (ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ValueError(f"invalid prompt template {self.template!r}: it must be a str.format template "
+                             f"whose only field is {{prompt}} ({e})") from None
+        if self.reference_from not in ("field", "boxed"):
+            raise ValueError(f"reference_from must be 'field' or 'boxed', got {self.reference_from!r}")
+        if self.reference_pattern is not None:
+            if self.reference_from != "field":
+                raise ValueError("reference_pattern needs reference_from='field'")
+            try:
+                groups = re.compile(self.reference_pattern).groups
+            except re.error as e:
+                raise ValueError(f"invalid reference_pattern {self.reference_pattern!r}: {e}") from None
+            if groups < 1:
+                raise ValueError(f"reference_pattern {self.reference_pattern!r} needs a capture group")
+
+
+class _BadRow(ValueError):
+    """A row that cannot become a PromptRecord; the message is the reason, without the location."""
+
+
+def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
+    """One parsed row -> PromptRecord, or raise _BadRow with the reason."""
+    if not isinstance(row, dict):
+        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+
+    def get(name: str) -> Any:
+        if name not in row:
+            raise _BadRow(f"field {name!r} missing (row keys: {', '.join(sorted(map(str, row)))})")
+        if row[name] is None:
+            raise _BadRow(f"field {name!r} is null")
+        return row[name]
+
+    prompt = get(fields.prompt)
+    if not isinstance(prompt, str):
+        raise _BadRow(f"field {fields.prompt!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _BadRow(f"field {fields.prompt!r} is empty")
+
+    raw = get(fields.reference)
+    if isinstance(raw, str):
+        reference = raw
+        if fields.reference_pattern is not None:
+            match = re.search(fields.reference_pattern, raw)
+            if match is None:
+                raise _BadRow(f"field {fields.reference!r} does not match reference_pattern "
+                              f"{fields.reference_pattern!r}")
+            reference = match.group(1) or ""
+        elif fields.reference_from == "boxed":
+            reference = extract_answer(raw)
+            if reference is None:
+                raise _BadRow(f"no answer found in field {fields.reference!r}")
+        reference = reference.strip()
+        if not reference:
+            raise _BadRow(f"field {fields.reference!r} gives an empty reference")
+    elif fields.reference_pattern is not None or fields.reference_from != "field":
+        raise _BadRow(f"field {fields.reference!r} must be a string to extract the reference from, "
+                      f"got {type(raw).__name__}")
+    elif isinstance(raw, (list, dict)):
+        reference = json.dumps({"tests": raw})
+    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        reference = json.dumps(raw)
+    else:
+        raise _BadRow(f"field {fields.reference!r} has unsupported type {type(raw).__name__}")
+    return PromptRecord(prompt=fields.template.format(prompt=prompt), reference=reference, source=source)
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """Yields `(location, parsed row or _BadRow)` per non-blank line; location is `path:line` (1-based)."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            location = f"{path}:{line_no}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield location, _BadRow(f"invalid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield location, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield location, _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """Yields `(location, row dict)` per Parquet row; location is `path:row N` (0-based)."""
+    import pyarrow.parquet as pq  # lazy: only Parquet users need pyarrow
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for row in batch.to_pylist():
+            yield f"{path}:row {index}", row
+            index += 1
+
+
+def load_prompts(
+    path: str | os.PathLike, fields: PromptFields = PromptFields(), *, skip_bad_rows: bool = False
+) -> tuple[list[PromptRecord], int]:
+    """Load `(records, num_skipped)` from a `.jsonl` or `.parquet` file.
+
+    Raises FileNotFoundError for a missing file, ValueError for an unsupported suffix, for the first bad row
+    (unless `skip_bad_rows`), and when no rows load.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    elif suffix == ".parquet":
+        rows = _parquet_rows(path)
+    else:
+        raise ValueError(f"unsupported prompt file {path!r}: suffix {suffix!r} is not one of "
+                         f"{', '.join(SUPPORTED_SUFFIXES)}")
+    records: list[PromptRecord] = []
+    skipped = 0
+    for location, row in rows:
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            records.append(_to_record(row, fields, location))
+        except _BadRow as e:
+            if not skip_bad_rows:
+                raise ValueError(f"{location}: {e}") from None
+            if skipped < _MAX_LOGGED_BAD_ROWS:
+                logger.warning("skipping bad prompt row %s: %s", location, e)
+            skipped += 1
+    if skipped:
+        logger.warning("skipped %d bad rows of %d in %s", skipped, skipped + len(records), path)
+    if not records:
+        raise ValueError(f"no prompts loaded from {path} ({skipped} bad rows skipped)")
+    return records, skipped
+
+
+def prompt_batches(records: Sequence[PromptRecord], batch_size: int, seed: int) -> grain.DatasetIterator:
+    """Endless shuffled batches (lists of `PromptRecord`) as a checkpointable grain iterator."""
+    return shuffled_batches(records, batch_size, seed)

@@ -1,0 +1,510 @@
+"""Run untrusted, model-written Python programs against test cases.
+
+``code_reward(completion, reference)`` extracts the last fenced Python block
+from a completion, runs it against the tests in ``reference`` (JSON
+``{"tests": [...]}``) and returns the fraction that pass. Each test is either
+
+* ``{"input": str, "output": str}``: the program reads stdin and its stdout
+  must equal ``output`` after normalisation (each line right-stripped, trailing
+  blank lines dropped); or
+* ``{"assert": "assert f(2) == 4"}``: the program source followed by the
+  statement is run; the case passes iff it exits with status 0.
+
+Each test case is one fresh process:
+
+* cwd is a fresh temporary directory (deleted afterwards, even on failure)
+  holding ``prog.py``; stdin comes from a file, so no pipe deadlock;
+* the interpreter is ``sys.executable -I -S -B`` (isolated mode, no site:
+  stdlib only) with the environment scrubbed to
+  ``{"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": <tmpdir>}``;
+* ``start_new_session=True``; the whole process group is SIGKILLed when the
+  run ends (normally, on wall timeout, or on too much output);
+* ``preexec_fn`` (in the forked child, before exec) enters new namespaces where
+  the OS permits, applies ``resource`` limits (CPU, address space, file size,
+  processes, no core files) and, when running as root, drops to uid/gid
+  65534 ("nobody") and chowns the tmpdir to it;
+* stdout/stderr are read with ``select`` and at most ``max_output_bytes`` each
+  is kept; going over the cap kills the program (status ``"output_limit"``).
+
+Namespaces (Linux, entered with ``unshare(2)`` via ctypes; as non-root a user
+namespace mapping the caller to root is created first so the others become
+permitted):
+
+* network: a fresh netns has only a down loopback, so every ``connect`` fails
+  (``CodeResult.network_isolated`` / ``run_program``'s status reflects whether
+  this actually happened; when not permitted, the program simply runs with the
+  host network);
+* mount: ``/`` is made private, fresh size-limited tmpfs are mounted over the
+  world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` (the
+  sandbox dir is bind-mounted back at its own path), and, with a PID namespace,
+  a fresh ``/proc`` is mounted so host processes (and their ``environ``) are
+  invisible. Writes to those dirs vanish with the namespace;
+* PID: the program runs under a tiny init process; when the run ends the
+  namespace is torn down, so even children that ``setsid()`` away from the
+  process group die.
+
+Known gaps (honest list):
+
+* Without namespaces (e.g. an unprivileged container without user namespaces)
+  the program gets the host network, can leave files in world-writable dirs
+  such as ``/tmp`` (as "nobody", or as the caller when not root), and a child
+  that calls ``setsid()`` escapes the process-group kill. When the caller is
+  not root there is also no privilege drop: the program runs as the caller's
+  uid and, without a PID namespace, could read ``/proc/<pid>/environ`` of the
+  caller's other processes. RLIMIT_NPROC then counts all of the caller's
+  processes.
+* An interpreter under a directory "nobody" cannot enter (pyenv in ``/root``)
+  is exposed by a tmpfs over that directory plus a bind mount of the prefix,
+  which also hides the rest of it (``~root``). Without a mount namespace this
+  is impossible and every run as root ends in ``"sandbox_error"``: use a
+  world-readable Python there.
+* As "nobody" the program can still *read* world-readable files (e.g. the
+  repository source, ``/etc/passwd``) and use CPU/memory up to the limits.
+* All concurrent sandboxes share uid 65534, so RLIMIT_NPROC is shared: a fork
+  bomb in one run can make a concurrent run fail to start (it scores 0).
+* There is no seccomp filter; the kernel's syscall surface is fully exposed.
+* ``preexec_fn`` runs Python between fork and exec, which is not safe in a
+  multi-threaded parent (e.g. one running JAX); call this from single-threaded
+  processes such as ``RewardPool`` workers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+__all__ = [
+    "CaseResult",
+    "CodeResult",
+    "SandboxLimits",
+    "code_reward",
+    "extract_code",
+    "run_program",
+    "run_tests",
+]
+
+NOBODY = 65534
+_PROGRAM = "prog.py"
+_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_TMPFS_SIZE = "size=16m,mode=1777"
+
+# <sched.h> / <sys/mount.h>
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Per-test-case limits."""
+
+    wall_time_s: float = 5.0  # wall clock per test case
+    cpu_time_s: float = 2.0  # RLIMIT_CPU (soft; hard is +1 s)
+    memory_mb: int = 512  # RLIMIT_AS
+    file_size_mb: int = 4  # RLIMIT_FSIZE
+    max_processes: int = 32  # RLIMIT_NPROC (only effective for a non-root uid)
+    max_output_bytes: int = 65536  # per stream; more is discarded and kills the run
+    isolate_network: bool = True  # fresh network namespace when the OS permits
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """One test case.
+
+    ``status`` is one of ``"ok"``, ``"wrong_answer"``, ``"runtime_error"``,
+    ``"timeout"`` (wall or CPU limit), ``"memory"``, ``"output_limit"``,
+    ``"file_limit"``, ``"invalid_test"`` or ``"sandbox_error"``.
+    """
+
+    passed: bool
+    status: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeResult:
+    """All test cases of one program; ``network_isolated`` is True iff every run had its own netns."""
+
+    pass_fraction: float
+    cases: tuple[CaseResult, ...]
+    network_isolated: bool
+
+
+# -- code extraction ---------------------------------------------------------
+
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
+_PYTHON_TAGS = {"", "python", "py", "python3"}
+
+
+def extract_code(completion: str) -> str | None:
+    """The last closed fenced block tagged ``python`` (``py``, ``python3``) or untagged; None if absent."""
+    if not isinstance(completion, str):
+        return None
+    blocks = [m.group(2) for m in _FENCE.finditer(completion) if m.group(1).lower() in _PYTHON_TAGS]
+    return blocks[-1] if blocks else None
+
+
+# -- the child side (runs between fork and exec) -----------------------------
+
+_libc = None
+
+
+def _load_libc():
+    """libc via ctypes, loaded in the parent so the child does not dlopen after fork."""
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.mount.argtypes = [
+                ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p
+            ]
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def _unshare(flags: int) -> bool:
+    libc = _load_libc()
+    return libc is not None and libc.unshare(flags) == 0
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _hidden_ancestor(path: str) -> str | None:
+    """The outermost directory on ``path`` that others may not search (no o+x), or None."""
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):
+        d = os.sep.join(parts[:i])
+        if not os.stat(d).st_mode & 0o001:
+            return d
+    return None
+
+
+def _wait_and_mirror(pid: int, reap_all: bool) -> None:
+    """Wait for ``pid`` (reaping any other children too) and exit with its status. Never returns.
+
+    A child killed by signal ``s`` is reported as exit code ``128 + s``.
+    """
+    try:
+        os.closerange(3, 1 << 16)  # drop subprocess's error pipe etc. so Popen does not wait on us
+        while True:
+            wpid, status = os.waitpid(-1 if reap_all else pid, 0)
+            if wpid == pid:
+                code = os.waitstatus_to_exitcode(status)
+                os._exit(128 - code if code < 0 else code)
+    finally:
+        os._exit(125)
+
+
+class _ChildSetup:
+    """``preexec_fn``: namespaces, mounts, rlimits, privilege drop; reports what it got on a pipe.
+
+    Process tree with a PID namespace: the Popen child P waits for G (pid 1 of
+    the new namespace, reaps orphans) which waits for H, the process that
+    returns to subprocess and execs the program. Killing P's process group
+    kills G, and the kernel then kills everything left in the namespace.
+    """
+
+    def __init__(self, limits: SandboxLimits, tmpdir: str, report_fd: int):
+        self.limits, self.tmpdir, self.report_fd = limits, tmpdir, report_fd
+        self.is_root = os.geteuid() == 0
+        # An interpreter under a dir "nobody" cannot enter (e.g. pyenv in /root, 0700).
+        self.prefix = os.path.realpath(sys.base_prefix)
+        self.hidden = _hidden_ancestor(self.prefix) if self.is_root else None
+
+    def __call__(self) -> None:
+        got = set()
+        if self.is_root or self._enter_user_namespace():
+            wanted = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID}
+            if self.limits.isolate_network:
+                wanted["net"] = _CLONE_NEWNET
+            got = {name for name, flag in wanted.items() if _unshare(flag)}
+        if "pid" in got:
+            pid = os.fork()
+            if pid:
+                _wait_and_mirror(pid, reap_all=False)  # P
+            pid = os.fork()
+            if pid:
+                _wait_and_mirror(pid, reap_all=True)  # G, pid 1 in the namespace
+        if "mnt" in got:  # H from here on
+            try:
+                self._mount_private_dirs(fresh_proc="pid" in got)
+            except OSError:
+                got.discard("mnt")
+        if self.hidden and "mnt" not in got:
+            raise RuntimeError(
+                f"the interpreter under {self.hidden} is not accessible to uid {NOBODY} and no "
+                "mount namespace is available to expose it; use a world-readable Python"
+            )
+        self._set_rlimits()
+        if self.is_root:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            if os.getuid() != NOBODY or os.geteuid() != NOBODY:  # never run untrusted code as root
+                raise RuntimeError("failed to drop privileges")
+        os.write(self.report_fd, " ".join(sorted(got)).encode() + b"\n")
+        os.close(self.report_fd)
+
+    def _enter_user_namespace(self) -> bool:
+        """Non-root: a user namespace where we are root, so other namespaces are permitted."""
+        uid, gid = os.getuid(), os.getgid()
+        if not _unshare(_CLONE_NEWUSER):
+            return False
+        try:
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"0 {uid} 1")
+            _write("/proc/self/gid_map", f"0 {gid} 1")
+        except OSError:
+            pass  # unmapped: unsharing may still work, mounts will likely fail (handled)
+        return True
+
+    def _mount_private_dirs(self, fresh_proc: bool) -> None:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        if self.hidden:  # tmpfs over e.g. /root (hiding its contents), then bind the prefix back
+            fd = os.open(self.prefix, os.O_PATH | os.O_DIRECTORY)
+            try:
+                _mount("tmpfs", self.hidden, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+                os.makedirs(self.prefix, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", self.prefix, None, _MS_BIND | _MS_REC)
+            finally:
+                os.close(fd)
+        for d in _WORLD_WRITABLE:
+            if os.path.isdir(d) and not os.path.islink(d):
+                _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
+        # cwd still refers to the real sandbox dir, which a tmpfs may now hide: bind it back.
+        os.makedirs(self.tmpdir, exist_ok=True)
+        _mount(".", self.tmpdir, None, _MS_BIND)
+        os.chdir(self.tmpdir)
+        if fresh_proc:
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
+    def _set_rlimits(self) -> None:
+        lim = self.limits
+        cpu = max(1, int(lim.cpu_time_s + 0.999))
+        mb = 1024 * 1024
+        for res, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+            (resource.RLIMIT_AS, (lim.memory_mb * mb,) * 2),
+            (resource.RLIMIT_FSIZE, (lim.file_size_mb * mb,) * 2),
+            (resource.RLIMIT_NPROC, (lim.max_processes,) * 2),
+            (resource.RLIMIT_CORE, (0, 0)),
+            (resource.RLIMIT_NOFILE, (256, 256)),
+        ):
+            resource.setrlimit(res, value)
+
+
+# -- the parent side ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    status: str
+    stdout: str
+    stderr: str
+    seconds: float
+    network_isolated: bool
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _read_bounded(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str | None, list]:
+    """Read stdout/stderr until EOF/exit; returns (``"timeout"``/``"output_limit"``/None, [out, err])."""
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    outcome = None
+    try:
+        while sel.get_map() and outcome is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                outcome = "timeout"
+                break
+            exited = proc.poll() is not None
+            for key, _ in sel.select(0 if exited else min(remaining, 0.1)):
+                while True:  # drain what is there now
+                    try:
+                        data = os.read(key.fd, 65536)
+                    except BlockingIOError:
+                        break
+                    if not data:
+                        sel.unregister(key.fd)
+                        break
+                    buf = bufs[key.fd]
+                    buf += data[: cap - len(buf) + 1]
+                    if len(buf) > cap:
+                        del buf[cap:]
+                        outcome = "output_limit"
+                        break
+            if exited and outcome is None:
+                break  # everything buffered has been read; stray writers are killed next
+    finally:
+        sel.close()
+    return outcome, [bytes(b).decode("utf-8", "replace") for b in bufs.values()]
+
+
+def _classify(returncode: int, stderr: str) -> str:
+    sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else None
+    if returncode == 0:
+        return "ok"
+    if sig in (signal.SIGXCPU, signal.SIGKILL):  # CPU soft / hard limit
+        return "timeout"
+    if sig == signal.SIGXFSZ:
+        return "file_limit"
+    if "MemoryError" in stderr[-2000:]:
+        return "memory"
+    return "runtime_error"
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
+    start = time.monotonic()
+    _load_libc()
+    tmpdir = tempfile.mkdtemp(prefix="jaxrl_sandbox_")
+    report_r = report_w = None
+    try:
+        with open(os.path.join(tmpdir, _PROGRAM), "w", encoding="utf-8") as f:
+            f.write(code)
+        stdin_path = os.path.join(tmpdir, ".stdin")
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(stdin)
+        if os.geteuid() == 0:
+            for path in (tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))):
+                os.chown(path, NOBODY, NOBODY)
+        report_r, report_w = os.pipe()
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir}
+        with open(stdin_path, "rb") as stdin_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", _PROGRAM],
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=tmpdir,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_ChildSetup(limits, tmpdir, report_w),
+                pass_fds=(report_w,),
+            )
+        os.close(report_w)
+        report_w = None
+        try:
+            outcome, (out, err) = _read_bounded(
+                proc, start + limits.wall_time_s, limits.max_output_bytes
+            )
+            if outcome is None:
+                try:
+                    proc.wait(max(0.0, start + limits.wall_time_s - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    outcome = "timeout"
+        finally:
+            _kill_group(proc)
+            proc.stdout.close()
+            proc.stderr.close()
+        report = os.read(report_r, 256).decode().split()
+        status = outcome or _classify(proc.returncode, err)
+        return _Run(status, out, err, time.monotonic() - start, "net" in report)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. preexec_fn failed
+        return _Run("sandbox_error", "", f"{type(e).__name__}: {e}", time.monotonic() - start, False)
+    finally:
+        for fd in (report_r, report_w):
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(tmpdir, onerror=_force_remove)
+
+
+def _force_remove(func, path, exc_info) -> None:
+    """rmtree error hook: make the parent dir writable (the program may chmod things) and retry."""
+    try:
+        os.chmod(os.path.dirname(path), 0o700)
+        func(path)
+    except OSError:
+        pass
+
+
+def run_program(
+    code: str, stdin: str, limits: SandboxLimits = SandboxLimits()
+) -> tuple[str, str, str]:
+    """Run ``code`` once in the sandbox with ``stdin``; returns ``(status, stdout, stderr)``.
+
+    ``status`` is ``"ok"`` (exit status 0), ``"runtime_error"``, ``"timeout"``,
+    ``"memory"``, ``"output_limit"``, ``"file_limit"`` or ``"sandbox_error"``.
+    """
+    r = _run(code, stdin, limits)
+    return r.status, r.stdout, r.stderr
+
+
+def _normalise(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def run_tests(
+    code: str, tests: Sequence[dict], limits: SandboxLimits = SandboxLimits()
+) -> CodeResult:
+    """Run every test case (see the module docstring); pass_fraction is 0.0 for no tests."""
+    cases, isolated = [], []
+    for test in tests:
+        if isinstance(test, dict) and isinstance(test.get("assert"), str):
+            r = _run(f"{code}\n\n{test['assert']}\n", "", limits)
+            passed, status = r.status == "ok", r.status
+        elif (
+            isinstance(test, dict)
+            and isinstance(test.get("input"), str)
+            and isinstance(test.get("output"), str)
+        ):
+            r = _run(code, test["input"], limits)
+            passed = r.status == "ok" and _normalise(r.stdout) == _normalise(test["output"])
+            status = "wrong_answer" if r.status == "ok" and not passed else r.status
+        else:
+            cases.append(CaseResult(False, "invalid_test", 0.0))
+            continue
+        cases.append(CaseResult(passed, status, r.seconds))
+        isolated.append(r.network_isolated)
+    fraction = sum(c.passed for c in cases) / len(cases) if cases else 0.0
+    return CodeResult(fraction, tuple(cases), bool(isolated) and all(isolated))
+
+
+def code_reward(completion: str, reference: str) -> float:
+    """Pass fraction of the completion's last Python block on ``reference``'s tests; 0.0 on any problem."""
+    try:
+        tests = json.loads(reference)["tests"]
+        code = extract_code(completion)
+        if code is None or not isinstance(tests, list):
+            return 0.0
+        return float(run_tests(code, tests).pass_fraction)
+    except Exception:  # noqa: BLE001 - a reward must never raise
+        return 0.0

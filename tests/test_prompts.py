@@ -1,0 +1,241 @@
+"""Tests for jaxrl.data.prompts: loading prompt sets from JSONL/Parquet files, and prompt batches."""
+
+import json
+import logging
+import re
+
+import pytest
+
+from jaxrl.data.batching import shuffled_batches
+from jaxrl.data.prompts import PromptFields, PromptRecord, load_prompts, prompt_batches
+
+GSM8K = PromptFields("question", "answer", template="Q: {prompt}\nA:", reference_pattern=r"#### (.+)$")
+MATH = PromptFields("problem", "solution", template="{prompt} Put the answer in \\boxed{{}}.",
+                    reference_from="boxed")
+CODE = PromptFields("prompt", "tests")
+
+
+def write_jsonl(path, rows):
+    """Rows are dicts (JSON-encoded) or raw strings (written verbatim as one line)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Good rows
+# ---------------------------------------------------------------------------
+
+
+def test_gsm8k_rows(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
+        "",  # blank lines are ignored but still counted for line numbers
+        {"question": "What is 1000 + 234?", "answer": "#### 1,234", "id": 5},
+    ])
+    records, skipped = load_prompts(path, GSM8K)
+    assert skipped == 0
+    assert records == [
+        PromptRecord("Q: Tom has 3 apples and buys 4. How many?\nA:", "7", f"{path}:1"),
+        PromptRecord("Q: What is 1000 + 234?\nA:", "1,234", f"{path}:3"),
+    ]
+
+
+def test_math_rows(tmp_path):
+    path = write_jsonl(tmp_path / "math.jsonl", [
+        {"problem": "Compute $\\frac{1}{2}+\\frac{1}{4}$.", "solution": "We get $\\boxed{\\frac{3}{4}}$."},
+        {"problem": "Solve {x}: x^2=4, x>0.", "solution": "x = 2, so \\boxed{2}."},
+    ])
+    records, _ = load_prompts(str(path), MATH)
+    assert [r.reference for r in records] == ["\\frac{3}{4}", "2"]
+    assert records[0].prompt == "Compute $\\frac{1}{2}+\\frac{1}{4}$. Put the answer in \\boxed{}."
+    assert records[1].prompt.startswith("Solve {x}: x^2=4")  # braces in the prompt text are kept as-is
+
+
+def test_code_rows_and_non_string_references(tmp_path):
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]
+    path = write_jsonl(tmp_path / "code.jsonl", [
+        {"prompt": "Read two ints, print their sum.", "tests": tests},
+        {"prompt": "Echo.", "tests": {"input": ["a"], "output": ["a"]}},
+        {"prompt": "Answer with a number.", "tests": 42},
+    ])
+    records, _ = load_prompts(path, CODE)
+    assert json.loads(records[0].reference) == {"tests": tests}
+    assert records[0].reference == json.dumps({"tests": tests})
+    assert json.loads(records[1].reference) == {"tests": {"input": ["a"], "output": ["a"]}}
+    assert records[2].reference == "42"
+
+
+def test_default_fields(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q?", "answer": " a "}])
+    assert load_prompts(path) == ([PromptRecord("q?", "a", f"{path}:1")], 0)
+
+
+# ---------------------------------------------------------------------------
+# Bad rows
+# ---------------------------------------------------------------------------
+
+BAD_ROWS = [
+    # (line, fields, expected message after "<path>:<line>: ")
+    ('{"question": "q", "answer": "#### 1"', GSM8K, "invalid JSON"),
+    ("[1, 2]", GSM8K, "expected a JSON object, got list"),
+    ('"just a string"', GSM8K, "expected a JSON object, got str"),
+    ({"answer": "#### 1", "id": 3}, GSM8K, "field 'question' missing (row keys: answer, id)"),
+    ({"question": "q"}, GSM8K, "field 'answer' missing (row keys: question)"),
+    ({"question": 17, "answer": "#### 1"}, GSM8K, "field 'question' must be a string, got int"),
+    ({"question": None, "answer": "#### 1"}, GSM8K, "field 'question' is null"),
+    ({"question": "  ", "answer": "#### 1"}, GSM8K, "field 'question' is empty"),
+    ({"question": "q", "answer": "the answer is 1"}, GSM8K,
+     "field 'answer' does not match reference_pattern '#### (.+)$'"),
+    ({"question": "q", "answer": 1}, GSM8K,
+     "field 'answer' must be a string to extract the reference from, got int"),
+    ({"question": "q", "answer": "####    "}, GSM8K, "field 'answer' gives an empty reference"),
+    ({"problem": "p", "solution": "no answer here"}, MATH, "no answer found in field 'solution'"),
+    ({"prompt": "p", "tests": True}, CODE, "field 'tests' has unsupported type bool"),
+]
+
+
+@pytest.mark.parametrize("bad,fields,message", BAD_ROWS, ids=[m for _, _, m in BAD_ROWS])
+def test_bad_row_errors_name_file_line_and_field(tmp_path, bad, fields, message):
+    good = {"question": "q", "answer": "#### 1", "problem": "p", "solution": "\\boxed{1}", "prompt": "p",
+            "tests": []}
+    path = write_jsonl(tmp_path / "train.jsonl", [good, "", bad, good])
+    with pytest.raises(ValueError) as info:
+        load_prompts(path, fields)
+    assert str(info.value).startswith(f"{path}:3: {message}")
+    # The same file with skip_bad_rows loses exactly that row.
+    records, skipped = load_prompts(path, fields, skip_bad_rows=True)
+    assert skipped == 1
+    assert [r.source for r in records] == [f"{path}:1", f"{path}:4"]
+
+
+def test_invalid_utf8_line(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "a"}\n{"question": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"u\.jsonl:2: invalid UTF-8"):
+        load_prompts(path)
+
+
+def test_skip_bad_rows_counts_and_logs(tmp_path, caplog):
+    rows = [{"question": "q", "answer": "#### 1"}] + ["not json"] * 8 + [{"answer": "#### 2"}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="jaxrl.data.prompts"):
+        records, skipped = load_prompts(path, GSM8K, skip_bad_rows=True)
+    assert len(records) == 1 and skipped == 9
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("skipping bad prompt row" in m for m in messages) == 5  # only the first few
+    assert f"{path}:2: invalid JSON" in messages[0]
+    assert any("skipped 9 bad rows of 10" in m for m in messages)
+
+
+def test_all_rows_bad_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ["{", "{"])
+    with pytest.raises(ValueError, match=r"no prompts loaded from .*bad\.jsonl \(2 bad rows skipped\)"):
+        load_prompts(path, skip_bad_rows=True)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="no prompts loaded"):
+        load_prompts(empty)
+
+
+def test_missing_file_and_unknown_suffix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+        load_prompts(tmp_path / "nope.jsonl")
+    csv = tmp_path / "train.csv"
+    csv.write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"suffix '\.csv' is not one of \.jsonl, \.parquet"):
+        load_prompts(csv)
+
+
+@pytest.mark.parametrize(
+    "template", ["{question}", "no field", "{prompt} {0}", "{}", "{prompt", "{prompt:d}", "{prompt.x}"]
+)
+def test_invalid_template(template):
+    with pytest.raises(ValueError, match="invalid prompt template " + repr(template).replace("{", r"\{")):
+        PromptFields(template=template)
+
+
+def test_invalid_reference_options():
+    with pytest.raises(ValueError, match="invalid reference_pattern"):
+        PromptFields(reference_pattern="(")
+    with pytest.raises(ValueError, match="capture group"):
+        PromptFields(reference_pattern="####")
+    with pytest.raises(ValueError, match="reference_from"):
+        PromptFields(reference_from="last")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reference_pattern needs reference_from='field'"):
+        PromptFields(reference_pattern="(x)", reference_from="boxed")
+
+
+# ---------------------------------------------------------------------------
+# Parquet
+# ---------------------------------------------------------------------------
+
+
+def test_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    jsonl_rows = [
+        {"prompt": "Sum two ints.", "tests": [{"input": "1 2", "output": "3"}]},
+        {"prompt": "Echo.", "tests": [{"input": "a", "output": "a"}, {"input": "b", "output": "b"}]},
+    ]
+    jsonl_path = write_jsonl(tmp_path / "code.jsonl", jsonl_rows)
+    parquet_path = tmp_path / "code.parquet"
+    pq.write_table(pa.Table.from_pylist(jsonl_rows), parquet_path)
+    from_jsonl, _ = load_prompts(jsonl_path, CODE)
+    from_parquet, skipped = load_prompts(parquet_path, CODE)
+    assert skipped == 0
+    assert [(r.prompt, r.reference) for r in from_parquet] == [(r.prompt, r.reference) for r in from_jsonl]
+    assert [r.source for r in from_parquet] == [f"{parquet_path}:row 0", f"{parquet_path}:row 1"]
+
+
+def test_parquet_bad_rows_name_row_index(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "gsm8k.parquet"
+    table = pa.table({"question": ["a?", None, "c?"], "answer": ["#### 1", "#### 2", "three"]})
+    pq.write_table(table, path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:row 1: field 'question' is null$"):
+        load_prompts(path, GSM8K)
+    records, skipped = load_prompts(path, GSM8K, skip_bad_rows=True)
+    assert skipped == 2 and [r.reference for r in records] == ["1"]
+    wrong_type = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"question": [1, 2], "answer": ["#### 1", "#### 2"]}), wrong_type)
+    message = f"{wrong_type}:row 0: field 'question' must be a string, got int"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        load_prompts(wrong_type, GSM8K)
+
+
+# ---------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------
+
+
+def _records(n):
+    return [PromptRecord(f"p{i}", str(i), f"f:{i + 1}") for i in range(n)]
+
+
+def test_prompt_batches_deterministic_and_complete():
+    records = _records(10)
+    take = lambda it, k: [[r.reference for r in next(it)] for _ in range(k)]  # noqa: E731
+    a, b = take(prompt_batches(records, 5, seed=3), 6), take(prompt_batches(records, 5, seed=3), 6)
+    assert a == b
+    assert take(prompt_batches(records, 5, seed=4), 6) != a
+    assert all(len(batch) == 5 for batch in a)
+    assert sorted(a[0] + a[1]) == sorted(r.reference for r in records)  # first epoch covers every record
+
+
+def test_prompt_batches_checkpoint_restore():
+    records = _records(7)
+    it = prompt_batches(records, 3, seed=0)
+    next(it), next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(4)]
+    restored = prompt_batches(records, 3, seed=0)
+    restored.set_state(state)
+    assert [next(restored) for _ in range(4)] == expected
+
+
+def test_shuffled_batches_validation():
+    with pytest.raises(ValueError, match="batch_size"):
+        shuffled_batches([1], 0, seed=0)
+    with pytest.raises(ValueError, match="empty"):
+        shuffled_batches([], 2, seed=0)

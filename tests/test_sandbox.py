@@ -1,0 +1,264 @@
+"""Tests for jaxrl.rewards.sandbox: correctness of scoring and containment of hostile programs."""
+
+import json
+import os
+import socket
+import time
+import uuid
+
+import psutil
+import pytest
+
+from jaxrl.rewards.pool import RewardPool
+from jaxrl.rewards.sandbox import (
+    NOBODY,
+    SandboxLimits,
+    code_reward,
+    extract_code,
+    run_program,
+    run_tests,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=1.0)
+
+SQUARE = "import sys\n\ndef f(x):\n    return x * x\n\nfor tok in sys.stdin.read().split():\n    print(f(int(tok)))\n"
+TESTS = [
+    {"input": "2\n", "output": "4\n"},
+    {"input": "3", "output": "9   \n\n\n"},  # whitespace-normalised comparison
+    {"assert": "assert f(5) == 25"},
+    {"assert": "assert f(-1) == 1"},
+]
+
+
+def _completion(code: str) -> str:
+    return f"Let me think.\n```python\n{code}```\nDone."
+
+
+def _reference(tests) -> str:
+    return json.dumps({"tests": tests})
+
+
+def _nobody_pids() -> set[int]:
+    pids = set()
+    for p in psutil.process_iter(["uids"]):
+        uids = p.info["uids"]
+        if uids is not None and NOBODY in (uids.real, uids.effective):
+            pids.add(p.pid)
+    return pids
+
+
+def _assert_no_new_nobody_processes(before: set[int], wait_s: float = 3.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while (extra := _nobody_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not extra, f"stray sandbox processes survived: {extra}"
+
+
+@pytest.fixture
+def nobody_baseline():
+    before = _nobody_pids()
+    yield before
+    _assert_no_new_nobody_processes(before)
+
+
+# -- extraction ----------------------------------------------------------------
+
+
+def test_extract_code():
+    assert extract_code("```python\nprint(1)\n```") == "print(1)\n"
+    assert extract_code("```\nprint(2)\n```") == "print(2)\n"
+    two = "```python\nprint(1)\n```\ntext\n```py\nprint(3)\n```\n```text\nnot code\n```"
+    assert extract_code(two) == "print(3)\n"  # last python/untagged block; other languages skipped
+    assert extract_code("no code here") is None
+    assert extract_code("```python\nprint(1)\n") is None  # unterminated
+    assert extract_code(None) is None
+
+
+# -- scoring -------------------------------------------------------------------
+
+
+def test_correct_program_passes_all():
+    result = run_tests(SQUARE, TESTS, FAST)
+    assert result.pass_fraction == 1.0, result
+    assert [c.status for c in result.cases] == ["ok"] * 4
+    assert code_reward(_completion(SQUARE), _reference(TESTS)) == 1.0
+
+
+def test_wrong_program_gets_partial_credit():
+    wrong = SQUARE.replace("x * x", "x + x")  # right only for x == 2
+    result = run_tests(wrong, TESTS, FAST)
+    assert [c.status for c in result.cases] == ["ok", "wrong_answer", "runtime_error", "runtime_error"]
+    assert result.pass_fraction == 0.25
+    assert code_reward(_completion("print(0)\n"), _reference(TESTS[:2])) == 0.0
+
+
+def test_run_program_and_sandbox_dir():
+    code = (
+        "import os, sys\n"
+        "open('scratch.txt', 'w').write(sys.stdin.read())\n"
+        "print(open('scratch.txt').read(), os.getcwd())\n"
+    )
+    status, out, _ = run_program(code, "hello", FAST)
+    assert status == "ok"
+    text, cwd = out.split()
+    assert text == "hello"
+    assert not os.path.exists(cwd), "sandbox dir must be deleted after the run"
+
+
+@pytest.mark.parametrize(
+    "reference",
+    ["not json", "{}", '{"tests": 3}', '{"tests": [{"bogus": 1}]}', "null", ""],
+)
+def test_code_reward_bad_reference(reference):
+    assert code_reward(_completion(SQUARE), reference) == 0.0
+
+
+def test_code_reward_without_code_block():
+    assert code_reward("the answer is 4", _reference(TESTS)) == 0.0
+
+
+def test_reward_pool():
+    completions = [_completion(SQUARE), _completion("print(0)\n"), "no code", _completion(SQUARE)]
+    references = [_reference(TESTS), _reference(TESTS[:2]), _reference(TESTS), "{malformed"]
+    with RewardPool(code_reward, num_workers=2, timeout_s=30.0) as pool:
+        result = pool.score(completions, references)
+    assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert result.timeouts == 0 and result.errors == 0
+
+
+# -- containment -----------------------------------------------------------------
+
+
+def test_infinite_loop_times_out_and_group_is_killed(nobody_baseline):
+    # A child that leaves the process group must die as well.
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\n"
+        "while True:\n    pass\n"
+    )
+    start = time.monotonic()
+    status, _, _ = run_program(code, "", SandboxLimits(wall_time_s=1.0, cpu_time_s=5.0))
+    assert status == "timeout"
+    assert time.monotonic() - start < 3.0
+    _assert_no_new_nobody_processes(nobody_baseline)
+
+
+def test_cpu_limit():
+    status, _, _ = run_program("while True:\n    pass\n", "", SandboxLimits(wall_time_s=10.0, cpu_time_s=1.0))
+    assert status == "timeout"
+
+
+def test_fork_bomb_is_contained(nobody_baseline):
+    if os.geteuid() != 0:
+        pytest.skip("RLIMIT_NPROC is only bounded per uid when the sandbox can drop to 'nobody' (root)")
+    bomb = "import os\nwhile True:\n    os.fork()\n"
+    start = time.monotonic()
+    assert code_reward(_completion(bomb), _reference([{"input": "", "output": "x"}])) == 0.0
+    status, _, _ = run_program(bomb, "", FAST)
+    assert status in ("runtime_error", "timeout")
+    assert time.monotonic() - start < 15.0
+    _assert_no_new_nobody_processes(nobody_baseline)
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["x = bytearray(10**10)\n", "x = []\nwhile True:\n    x.append(bytearray(10**7))\n"],
+)
+def test_memory_bomb(code):
+    # Generous time limits, so that on a loaded machine the memory limit, not the clock, stops the program.
+    status, _, _ = run_program(code, "", SandboxLimits(wall_time_s=10.0, cpu_time_s=5.0))
+    assert status == "memory"
+    assert code_reward(_completion(code), _reference([{"assert": "pass"}])) == 0.0
+
+
+def test_cannot_write_outside_sandbox():
+    name = f"jaxrl_sandbox_escape_{uuid.uuid4().hex}"
+    targets = [f"/tmp/{name}", f"/var/tmp/{name}", f"/dev/shm/{name}", os.path.join(REPO, name)]
+    code = "".join(
+        f"try:\n    open({t!r}, 'w').write('x')\n    print('wrote', {t!r})\n"
+        f"except OSError as e:\n    print('denied', {t!r}, e)\n"
+        for t in targets
+    ) + f"open({targets[-1]!r}, 'w').write('x')\n"  # the repo write must fail -> no reward
+    try:
+        result = run_tests(code, [{"assert": "pass"}], FAST)
+        assert result.pass_fraction == 0.0
+        status, out, _ = run_program(code, "", FAST)
+        assert status == "runtime_error"
+        assert f"denied {targets[-1]}" in out
+        for t in targets:
+            assert not os.path.exists(t), f"sandboxed program left {t} on the host"
+    finally:
+        for t in targets:
+            if os.path.exists(t):
+                os.remove(t)
+
+
+def test_file_size_limit():
+    code = "open('big', 'wb').write(b'x' * (8 * 2**20))\n"
+    status, _, _ = run_program(code, "", SandboxLimits(wall_time_s=2.0, file_size_mb=1))
+    assert status in ("file_limit", "runtime_error")
+
+
+def test_environment_secrets_not_visible(monkeypatch):
+    monkeypatch.setenv("JAXRL_TEST_SECRET", "s3cr3t")
+    code = (
+        "import os\nprint(dict(os.environ))\n"
+        f"for pid in (1, {os.getpid()}, os.getppid()):\n"
+        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as e:\n        print(e)\n"
+    )
+    status, out, err = run_program(code, "", FAST)
+    assert status == "ok", err
+    assert "PATH" in out  # the scrubbed environment was printed
+    assert "s3cr3t" not in out and "s3cr3t" not in err
+
+
+def _connect_code(port: int) -> str:
+    return (
+        "import socket\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+        "print('connected')\n"
+    )
+
+
+def test_network_is_isolated():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.2)
+        code = _connect_code(server.getsockname()[1])
+
+        # Control: without isolation the same program does reach the listener.
+        status, out, _ = run_program(code, "", SandboxLimits(wall_time_s=3.0, isolate_network=False))
+        assert (status, out.strip()) == ("ok", "connected")
+        server.accept()[0].close()
+
+        result = run_tests(code, [{"assert": "pass"}], SandboxLimits(wall_time_s=3.0))
+        assert result.network_isolated, "unshare works on this machine, so the netns must be used"
+        assert result.pass_fraction == 0.0
+        assert result.cases[0].status == "runtime_error"
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def test_degrades_without_namespaces(monkeypatch):
+    import jaxrl.rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_unshare", lambda flags: False)  # as if unshare(2) were denied
+    result = run_tests(SQUARE, TESTS[:1], FAST)
+    assert not result.network_isolated
+    # Runs unisolated, unless the interpreter is hidden from "nobody" (pyenv under /root) and
+    # no mount namespace can expose it: then the sandbox refuses to run (never as root).
+    assert result.cases[0].status in ("ok", "sandbox_error")
+    assert code_reward(_completion(SQUARE), _reference(TESTS[:1])) in (0.0, 1.0)
+
+
+def test_huge_output_is_capped():
+    limits = SandboxLimits(wall_time_s=5.0, max_output_bytes=1000)
+    for code in ("print('x' * 10**8)\n", "while True:\n    print('x' * 1000)\n"):
+        start = time.monotonic()
+        status, out, _ = run_program(code, "", limits)
+        assert status == "output_limit"
+        assert len(out) <= 1000
+        assert time.monotonic() - start < 4.0
