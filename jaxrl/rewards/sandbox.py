@@ -14,7 +14,7 @@ Each test case is one fresh process:
 
 * cwd is a fresh temporary directory (deleted afterwards, even on failure)
   holding ``prog.py``; stdin comes from a file, so no pipe deadlock;
-* the interpreter is ``sys.executable -I -S -B`` (isolated mode, no site:
+* the interpreter is the base Python (not a virtualenv link) with ``-I -S -B`` (isolated mode, no site:
   stdlib only) with the environment scrubbed to
   ``{"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": <tmpdir>}``;
 * ``start_new_session=True``; the whole process group is SIGKILLed when the
@@ -221,6 +221,17 @@ def _wait_and_mirror(pid: int, reap_all: bool) -> None:
         os._exit(125)
 
 
+def _base_interpreter() -> str:
+    """The base Python, not a virtualenv's link to it.
+
+    The program runs with ``-I -S`` and needs only the standard library, and a virtualenv may live under a
+    directory the sandbox hides (a checkout in ``/tmp``, which gets a fresh tmpfs).
+    """
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidate = os.path.join(os.path.realpath(sys.base_prefix), "bin", version)
+    return candidate if os.access(candidate, os.X_OK) else os.path.realpath(sys.executable)
+
+
 class _ChildSetup:
     """``preexec_fn``: namespaces, mounts, rlimits, privilege drop; reports what it got on a pipe.
 
@@ -407,7 +418,7 @@ def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", _PROGRAM],
+                [_base_interpreter(), "-I", "-S", "-B", _PROGRAM],
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
