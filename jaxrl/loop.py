@@ -78,10 +78,12 @@ def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, ba
             "eval/sample": texts[0]}
 
 
-def warm_start(state: TrainState, config: Config, tokenizer, train_problems, prompt_length, mesh,
+def warm_start(policy, config: Config, tokenizer, train_problems, prompt_length, mesh,
                writer: MetricsWriter) -> TrainState:
     """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`)."""
-    step_fn = make_sft_step(optimizer_from(config.sft.optim))
+    optimizer = optimizer_from(config.sft.optim)
+    state = init_train_state(policy, optimizer)
+    step_fn = make_sft_step(optimizer)
     examples = arithmetic.teacher_examples(train_problems, config.task, config.seed)
     bar = tqdm(range(config.sft.steps), desc="warm start", disable=not config.progress, dynamic_ncols=True)
     for step in bar:
@@ -163,8 +165,7 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
         t0 = time.perf_counter()
-        state = warm_start(init_train_state(policy, optimizer_from(config.sft.optim)), config, tokenizer,
-                           train_problems, prompt_length, mesh, writer)
+        state = warm_start(policy, config, tokenizer, train_problems, prompt_length, mesh, writer)
         times["sft_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -211,8 +212,9 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
 def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer):
     rl = config.rl
     ref_policy = state.policy  # frozen warm-start policy for the optional KL term
-    state = init_train_state(state.policy, optimizer_from(rl.optim))
-    step_fn = make_grpo_step(optimizer_from(rl.optim), rl.loss, rl.sampling.temperature)
+    optimizer = optimizer_from(rl.optim)
+    state = init_train_state(state.policy, optimizer)
+    step_fn = make_grpo_step(optimizer, rl.loss, rl.sampling.temperature)
     logprob_fn = jax.jit(completion_logprobs, static_argnames="temperature")
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
