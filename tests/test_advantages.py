@@ -1,0 +1,573 @@
+"""Advantage estimators against plain-loop numpy references (float64), hand-computed cases and invariants."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl import advantages as adv
+from jaxrl.advantages import AdvantageConfig
+
+RTOL, ATOL = 1e-5, 1e-5
+SHAPES = [(8, 5, 4), (12, 7, 3), (6, 1, 2)]  # (B, N, G)
+
+
+def close(actual, expected, rtol=RTOL, atol=ATOL):
+    actual = np.asarray(actual)
+    assert actual.dtype == np.float32, actual.dtype
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def make_batch(seed, b, n, g, binary=False):
+    """Random rewards, a ragged prefix mask (row 1 empty, row 0 full), entropy, values, penalty."""
+    rng = np.random.default_rng(seed)
+    rewards = rng.integers(0, 2, b).astype(np.float64) if binary else rng.normal(size=b)
+    lengths = rng.integers(0, n + 1, b)
+    lengths[0], lengths[1] = n, 0
+    mask = (np.arange(n)[None, :] < lengths[:, None]).astype(np.float64)
+    return {
+        "rewards": rewards, "mask": mask, "lengths": lengths.astype(np.float64),
+        "entropy": rng.uniform(0.05, 2.0, (b, n)), "values": rng.normal(size=(b, n)),
+        "greedy": np.repeat(rng.normal(size=b // g), g), "penalty": rng.uniform(0.0, 0.3, (b, n)),
+        "components": rng.normal(size=(b, 3)),
+    }
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def jit(fn, *static):
+    return jax.jit(fn, static_argnames=static)
+
+
+# The reference comparisons run the estimators under jit (static group_size / flags), which also checks
+# that they trace; the hand-computed cases run them eagerly.
+grpo = jit(adv.grpo, "group_size", "std_scope")
+rloo = jit(adv.rloo, "group_size")
+reinforce_pp = jit(adv.reinforce_pp, "group_size")
+opo = jit(adv.opo, "group_size")
+outcome_token_rewards = jit(adv.outcome_token_rewards)
+gae = jit(adv.gae)
+decoupled_gae = jit(adv.decoupled_gae)
+length_adaptive_lambda = jit(adv.length_adaptive_lambda)
+entropy_augmented = jit(adv.entropy_augmented)
+gtpo = jit(adv.gtpo, "group_size")
+grpo_s = jit(adv.grpo_s, "group_size")
+normalize_components = jit(adv.normalize_components, "group_size", "weights", "std_scope")
+broadcast_to_tokens = jit(adv.broadcast_to_tokens)
+
+
+# --------------------------------------------------------------------------- numpy references (loops)
+
+
+def ref_mean_std(xs):
+    xs = list(xs)
+    mean = sum(xs) / len(xs)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+
+def ref_grpo(r, g, scope="group", eps=1e-6):
+    out = np.zeros(len(r))
+    _, batch_std = ref_mean_std(r)
+    for start in range(0, len(r), g):
+        mean, std = ref_mean_std(r[start:start + g])
+        for i in range(start, start + g):
+            scale = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scope]
+            out[i] = (r[i] - mean) / scale
+    return out
+
+
+def ref_rloo(r, g):
+    out = np.zeros(len(r))
+    for start in range(0, len(r), g):
+        for i in range(start, start + g):
+            others = [r[k] for k in range(start, start + g) if k != i]
+            out[i] = r[i] - sum(others) / len(others)
+    return out
+
+
+def ref_reinforce_pp(r, g=None, mask=None, eps=1e-6):
+    x = np.array(r, dtype=np.float64)
+    if g is not None:
+        for start in range(0, len(r), g):
+            mean, _ = ref_mean_std(r[start:start + g])
+            for i in range(start, start + g):
+                x[i] = r[i] - mean
+    if mask is None:
+        pool = list(x)
+    else:  # every valid token carries its sequence's value
+        pool = [x[i] for i in range(len(x)) for t in range(mask.shape[1]) if mask[i, t]]
+    mean, std = ref_mean_std(pool)
+    return np.array([(v - mean) / (std + eps) for v in x])
+
+
+def ref_opo(r, lengths, g, eps=1e-6):
+    out = np.zeros(len(r))
+    for start in range(0, len(r), g):
+        idx = range(start, start + g)
+        baseline = sum(lengths[i] * r[i] for i in idx) / max(sum(lengths[i] for i in idx), eps)
+        for i in idx:
+            out[i] = r[i] - baseline
+    return out
+
+
+def ref_outcome(r, mask):
+    out = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t]]
+        if valid:
+            out[i, valid[-1]] = r[i]
+    return out
+
+
+def ref_gae(token_rewards, values, mask, gamma, lam):
+    b, n = mask.shape
+    lam = np.broadcast_to(np.asarray(lam, np.float64), (b,))
+    advantages, returns = np.zeros((b, n)), np.zeros((b, n))
+    for i in range(b):
+        length = int(mask[i].sum())
+        running = 0.0
+        for t in reversed(range(length)):
+            next_value = values[i, t + 1] if t + 1 < length else 0.0
+            delta = token_rewards[i, t] + gamma * next_value - values[i, t]
+            running = delta + gamma * lam[i] * running
+            advantages[i, t] = running
+            returns[i, t] = running + values[i, t]
+    return advantages, returns
+
+
+def ref_length_lambda(lengths, alpha):
+    return np.array([0.0 if l == 0 else min(1.0, max(0.0, 1 - 1 / (alpha * l))) for l in lengths])
+
+
+def ref_entropy_augmented(a, h, alpha, kappa):
+    out = np.zeros(a.shape)
+    for i in range(a.shape[0]):
+        for t in range(a.shape[1]):
+            out[i, t] = a[i, t] + min(alpha * h[i, t], abs(a[i, t]) / kappa)
+    return out
+
+
+def ref_gtpo(r, h, mask, g, alpha1=1.0, alpha2=1.0, eps=1e-6):
+    b, n = mask.shape
+    h = np.maximum(h, eps)
+    out = np.zeros((b, n))
+    for start in range(0, b, g):
+        rows = range(start, start + g)
+        pos = [i for i in rows if r[i] > 0]
+        neg = [i for i in rows if not r[i] > 0]
+        shaped = {}
+        for t in range(n):
+            d = sum(mask[k, t] for k in pos)
+            hn = sum(mask[k, t] for k in neg)
+            pos_sum = sum(h[k, t] * mask[k, t] for k in pos)
+            neg_sum = sum(mask[k, t] / h[k, t] for k in neg)
+            for i in rows:
+                if not mask[i, t]:
+                    continue
+                if i in pos:
+                    shaped[i, t] = alpha1 * r[i] + alpha2 * h[i, t] / pos_sum * d
+                else:
+                    shaped[i, t] = -alpha1 - alpha2 * (1 / h[i, t]) / neg_sum * hn
+        if not shaped:
+            continue
+        mean, std = ref_mean_std(shaped.values())
+        for (i, t), x in shaped.items():
+            out[i, t] = (x - mean) / (std + eps)
+    return out
+
+
+def ref_grpo_s(r, h, mask, g, beta1=1.0, beta2=1.0, eps=1e-6):
+    b, n = mask.shape
+    hbar = []
+    for i in range(b):
+        valid = [h[i, t] for t in range(n) if mask[i, t]]
+        hbar.append(max(sum(valid) / len(valid) if valid else 0.0, eps))
+    shaped = np.zeros(b)
+    for start in range(0, b, g):
+        rows = range(start, start + g)
+        pos = [i for i in rows if r[i] > 0]
+        neg = [i for i in rows if not r[i] > 0]
+        for i in pos:
+            shaped[i] = beta1 * r[i] + beta2 * hbar[i] / sum(hbar[k] for k in pos) * len(pos)
+        for j in neg:
+            shaped[j] = -beta1 - beta2 * (1 / hbar[j]) / sum(1 / hbar[k] for k in neg) * len(neg)
+    return ref_grpo(shaped, g, "group", eps)
+
+
+def ref_components(c, g, weights, scope):
+    total = np.zeros(c.shape[0])
+    for k in range(c.shape[1]):
+        total += weights[k] * ref_grpo(c[:, k], g, scope)
+    return total
+
+
+def ref_broadcast(a, mask):
+    return np.array([[a[i] * mask[i, t] for t in range(mask.shape[1])] for i in range(mask.shape[0])])
+
+
+# --------------------------------------------------------------------------- group estimators
+
+
+def test_grpo_hand_computed():
+    r = f32([1, 0, 0, 1, 1, 1, 1, 1])
+    close(adv.grpo(r, 4), [1, -1, -1, 1, 0, 0, 0, 0])
+    close(adv.dr_grpo(r, 4), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    # batch std of [1,0,0,1,1,1,1,1]: mean 0.75, std sqrt(0.1875)
+    close(adv.grpo(r, 4, std_scope="batch"), np.array([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (
+        math.sqrt(0.1875) + 1e-6))
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+@pytest.mark.parametrize("scope", ["group", "batch", "none"])
+def test_grpo_against_reference(b, n, g, scope):
+    r = make_batch(b + n, b, n, g)["rewards"]
+    close(grpo(f32(r), g, std_scope=scope), ref_grpo(r, g, scope))
+
+
+def test_group_shape_errors():
+    r = f32(np.arange(12))
+    for fn in (lambda: adv.grpo(r, 5), lambda: adv.rloo(r, 5), lambda: adv.dr_grpo(r, 5),
+               lambda: adv.opo(r, r, 5), lambda: adv.reinforce_pp(r, group_size=5),
+               lambda: adv.grpo(r.reshape(3, 4), 4),
+               lambda: adv.gtpo(r, jnp.ones((12, 2)), jnp.ones((12, 2)), 5),
+               lambda: adv.grpo_s(r, jnp.ones((12, 2)), jnp.ones((12, 2)), 5)):
+        with pytest.raises(ValueError, match=r"do not split into groups of"):
+            fn()
+    with pytest.raises(ValueError, match="std_scope"):
+        adv.grpo(r, 4, std_scope="rows")
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        adv.rloo(r, 1)
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_rloo_against_reference_and_scaled_mean(b, n, g):
+    r = make_batch(b * 3 + n, b, n, g)["rewards"]
+    out = rloo(f32(r), g)
+    close(out, ref_rloo(r, g))
+    close(out, g / (g - 1) * ref_grpo(r, g, "none"))
+
+
+def test_equal_group_gives_zero():
+    r = f32([0.3] * 4 + [2.0] * 4)
+    lengths = f32([1, 5, 2, 9, 3, 3, 0, 4])
+    for out in (adv.grpo(r, 4), adv.grpo(r, 4, std_scope="none"), adv.rloo(r, 4), adv.opo(r, lengths, 4)):
+        close(out, np.zeros(8), atol=1e-6)
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+@pytest.mark.parametrize("baseline", [False, True])
+@pytest.mark.parametrize("token_level", [False, True])
+def test_reinforce_pp_against_reference(b, n, g, baseline, token_level):
+    batch = make_batch(b + 7, b, n, g)
+    r, mask = batch["rewards"], batch["mask"]
+    out = reinforce_pp(f32(r), group_size=g if baseline else None, mask=f32(mask) if token_level else None)
+    close(out, ref_reinforce_pp(r, g if baseline else None, mask if token_level else None), rtol=2e-5)
+
+
+def test_reinforce_pp_token_stats_weight_by_length():
+    # x = [1, -1] with lengths [3, 1]: token mean 0.5, token std sqrt(0.75)
+    out = adv.reinforce_pp(f32([1.0, -1.0]), mask=f32([[1, 1, 1], [1, 0, 0]]))
+    close(out, np.array([0.5, -1.5]) / (math.sqrt(0.75) + 1e-6))
+
+
+def test_remax():
+    batch = make_batch(3, 8, 4, 4)
+    close(adv.remax(f32(batch["rewards"]), f32(batch["greedy"])), batch["rewards"] - batch["greedy"])
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_opo_against_reference(b, n, g):
+    batch = make_batch(b + 11, b, n, g)
+    close(opo(f32(batch["rewards"]), f32(batch["lengths"]), g),
+          ref_opo(batch["rewards"], batch["lengths"], g))
+
+
+def test_opo_hand_computed_and_equal_lengths():
+    # b = (1*1 + 3*0) / 4 = 0.25; an all-empty group falls back to a zero baseline (eps denominator)
+    close(adv.opo(f32([1, 0, 2, 5]), f32([1, 3, 0, 0]), 2), [0.75, -0.25, 2, 5])
+    r = make_batch(5, 12, 4, 4)["rewards"]
+    close(adv.opo(f32(r), jnp.full(12, 7.0), 4), adv.dr_grpo(f32(r), 4))
+
+
+# --------------------------------------------------------------------------- token-level, critic
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_outcome_token_rewards_against_reference(b, n, g):
+    batch = make_batch(b + 13, b, n, g)
+    out = outcome_token_rewards(f32(batch["rewards"]), jnp.asarray(batch["mask"], bool))
+    close(out, ref_outcome(batch["rewards"], batch["mask"]))
+    assert not np.asarray(out)[1].any()  # the empty row stays zero
+
+
+def test_gae_hand_unrolled_three_tokens():
+    rewards = f32([[0.0, 0.0, 1.0, 7.0]])  # the 4th token is padding: its reward and value are ignored
+    values = f32([[0.5, 0.6, 0.7, 5.0]])
+    mask = f32([[1, 1, 1, 0]])
+    a, ret = adv.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # delta = [0.9*0.6-0.5, 0.9*0.7-0.6, 1-0.7] = [0.04, 0.03, 0.3]; gamma*lam = 0.72
+    a2 = 0.3
+    a1 = 0.03 + 0.72 * a2
+    a0 = 0.04 + 0.72 * a1
+    close(a, [[a0, a1, a2, 0.0]])
+    close(ret, [[a0 + 0.5, a1 + 0.6, a2 + 0.7, 0.0]])
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.7), (0.99, "per_row")])
+def test_gae_against_reference(b, n, g, gamma, lam):
+    batch = make_batch(b + 17, b, n, g)
+    rng = np.random.default_rng(b)
+    token_rewards = rng.normal(size=(b, n))
+    if lam == "per_row":
+        lam = rng.uniform(0, 1, b)
+    a, ret = gae(f32(token_rewards), f32(batch["values"]), f32(batch["mask"]), gamma=gamma,
+                     lam=f32(lam) if isinstance(lam, np.ndarray) else lam)
+    ref_a, ref_ret = ref_gae(token_rewards, batch["values"], batch["mask"], gamma, lam)
+    close(a, ref_a)
+    close(ret, ref_ret)
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_decoupled_gae_against_reference(b, n, g):
+    batch = make_batch(b + 19, b, n, g)
+    token_rewards = ref_outcome(batch["rewards"], batch["mask"])
+    lam_actor = np.random.default_rng(1).uniform(0, 1, b)
+    a, ret = decoupled_gae(f32(token_rewards), f32(batch["values"]), f32(batch["mask"]), gamma=0.95,
+                               lam_actor=f32(lam_actor), lam_critic=0.9)
+    close(a, ref_gae(token_rewards, batch["values"], batch["mask"], 0.95, lam_actor)[0])
+    close(ret, ref_gae(token_rewards, batch["values"], batch["mask"], 0.95, 0.9)[1])
+
+
+def test_decoupled_gae_monte_carlo_limit():
+    batch = make_batch(23, 8, 6, 4)
+    mask, values, r = batch["mask"], batch["values"], batch["rewards"]
+    a, ret = decoupled_gae(outcome_token_rewards(f32(r), f32(mask)), f32(values), f32(mask),
+                               gamma=1.0, lam_actor=1.0, lam_critic=1.0)
+    close(ret, r[:, None] * mask)
+    close(a, (r[:, None] - values) * mask)
+
+
+def test_length_adaptive_lambda():
+    lengths = np.array([0, 10, 20, 40, 100, 1000, 5.0])
+    out = adv.length_adaptive_lambda(f32(lengths), alpha=0.05)
+    close(out, [0, 0, 0, 0.5, 0.8, 0.98, 0])
+    close(out, ref_length_lambda(lengths, 0.05))
+    close(length_adaptive_lambda(f32(lengths), alpha=0.3), ref_length_lambda(lengths, 0.3))
+
+
+# --------------------------------------------------------------------------- entropy shaping
+
+
+@pytest.mark.parametrize("kappa", [1.0, 2.0, 5.0])
+def test_entropy_augmented_reference_sign_and_gradient(kappa):
+    rng = np.random.default_rng(int(kappa))
+    a = rng.normal(size=(6, 5))
+    a[0, :2] = 0.0
+    h = rng.uniform(0, 3, (6, 5))
+    out = entropy_augmented(f32(a), f32(h), alpha=0.4, kappa=kappa)
+    close(out, ref_entropy_augmented(a, h, 0.4, kappa))
+    out = np.asarray(out)
+    assert (out[a < 0] <= 0).all() and (out[a > 0] > 0).all() and (out[a == 0] == 0).all()
+    grad = jax.grad(lambda e: adv.entropy_augmented(f32(a), e, alpha=0.4, kappa=kappa).sum())(f32(h))
+    assert not np.asarray(grad).any()
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_gtpo_against_reference(b, n, g):
+    batch = make_batch(b + 29, b, n, g, binary=True)
+    r, h, mask = batch["rewards"], batch["entropy"], batch["mask"]
+    out = gtpo(f32(r), f32(h), f32(mask), g, alpha1=1.0, alpha2=0.7)
+    close(out, ref_gtpo(r, h, mask, g, alpha2=0.7), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(out)[mask == 0].any()
+
+
+def test_gtpo_clamps_entropy_and_stops_gradient():
+    r, mask = f32([1, 0, 0, 1]), f32([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    h = np.array([[0.0, 0.5, 1.0], [0.2, 0.0, 0.4], [1.0, 1.0, 1.0], [0.3, 0.3, 0.3]])
+    out = gtpo(r, f32(h), mask, 4, eps=1e-3)
+    assert np.isfinite(np.asarray(out)).all()
+    close(out, ref_gtpo(np.asarray(r), h, np.asarray(mask), 4, eps=1e-3), rtol=1e-4, atol=1e-4)
+    grad = jax.jit(jax.grad(lambda e: adv.gtpo(r, e, mask, 4).sum()))(f32(h))
+    assert not np.asarray(grad).any()
+
+
+def test_gtpo_rewards_correct_rows_in_mixed_group():
+    rng = np.random.default_rng(31)
+    r, mask = f32([1, 0, 1, 0]), jnp.ones((4, 6))
+    out = np.asarray(gtpo(r, f32(rng.uniform(0.5, 1.5, (4, 6))), mask, 4))
+    assert (out[[0, 2]] > 0).all() and (out[[1, 3]] < 0).all()
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+def test_grpo_s_against_reference(b, n, g):
+    batch = make_batch(b + 37, b, n, g, binary=True)
+    r, h, mask = batch["rewards"], batch["entropy"], batch["mask"]
+    out = grpo_s(f32(r), f32(h), f32(mask), g, beta1=1.0, beta2=0.5)
+    close(out, ref_grpo_s(r, h, mask, g, beta2=0.5), rtol=2e-5, atol=2e-5)
+
+
+def test_grpo_s_uniform_entropy_is_grpo_for_binary_rewards():
+    r = f32([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1])
+    mask = jnp.ones((12, 3))
+    close(grpo_s(r, jnp.full((12, 3), 0.7), mask, 4), grpo(r, 4), atol=2e-5)
+
+
+# --------------------------------------------------------------------------- components, tokens
+
+
+@pytest.mark.parametrize("b,n,g", SHAPES)
+@pytest.mark.parametrize("scope", ["group", "batch", "none"])
+def test_normalize_components_against_reference(b, n, g, scope):
+    c = make_batch(b + 41, b, n, g)["components"]
+    close(normalize_components(f32(c), g, std_scope=scope), ref_components(c, g, [1, 1, 1], scope))
+    weights = [0.5, 2.0, -1.0]
+    close(normalize_components(f32(c), g, weights=tuple(weights), std_scope=scope),
+          ref_components(c, g, weights, scope))
+
+
+def test_normalize_components_shape_errors():
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        adv.normalize_components(jnp.ones(8), 4)
+    with pytest.raises(ValueError, match="do not match 2 components"):
+        adv.normalize_components(jnp.ones((8, 2)), 4, weights=[1.0])
+
+
+def test_broadcast_to_tokens():
+    batch = make_batch(43, 6, 4, 2)
+    a, mask = batch["rewards"], batch["mask"]
+    close(broadcast_to_tokens(f32(a), jnp.asarray(mask, bool)), ref_broadcast(a, mask))
+    full = np.random.default_rng(0).normal(size=(6, 4))
+    close(adv.broadcast_to_tokens(f32(full), f32(mask)), full * mask)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def jit_compute():
+    return jax.jit(adv.compute, static_argnums=(0, 3), static_argnames="component_weights")
+
+
+def test_config_is_hashable_and_validates():
+    assert hash(AdvantageConfig()) == hash(AdvantageConfig())
+    assert adv.NEEDS_CRITIC == {"gae"}
+    AdvantageConfig(per_component=True).validate()
+    with pytest.raises(ValueError, match="per_component.*'grpo'.*'rloo'"):
+        AdvantageConfig(estimator="rloo", per_component=True).validate()
+    with pytest.raises(ValueError, match="per_component"):
+        adv.compute(AdvantageConfig(estimator="opo", per_component=True), jnp.ones(4), jnp.ones((4, 2)), 2)
+
+
+def direct(name, batch, g, config):
+    """The estimator called directly, as `compute` should dispatch it (token-level, masked)."""
+    r, mask, h = batch["rewards"], batch["mask"], batch["entropy"]
+    if name == "grpo":
+        return grpo(r, g, std_scope=config.std_scope)
+    if name == "rloo":
+        return rloo(r, g)
+    if name == "reinforce_pp":
+        return reinforce_pp(r, group_size=g if config.group_baseline else None, mask=mask)
+    if name == "remax":
+        return adv.remax(r, batch["greedy"])
+    if name == "opo":
+        return opo(r, mask.sum(1), g)
+    if name == "gtpo":
+        return gtpo(r, h, mask, g, alpha2=config.entropy_weight)
+    if name == "grpo_s":
+        return grpo_s(r, h, mask, g, beta2=config.entropy_weight)
+    raise AssertionError(name)
+
+
+def compute_inputs(batch):
+    return {"entropy": batch["entropy"], "values": batch["values"], "greedy_rewards": batch["greedy"]}
+
+
+@pytest.mark.parametrize("config", [
+    AdvantageConfig("grpo"), AdvantageConfig("grpo", std_scope="batch"), AdvantageConfig("rloo"),
+    AdvantageConfig("reinforce_pp"), AdvantageConfig("reinforce_pp", group_baseline=False),
+    AdvantageConfig("remax"), AdvantageConfig("opo"), AdvantageConfig("gtpo", entropy_weight=0.5),
+    AdvantageConfig("grpo_s", entropy_weight=2.0)], ids=lambda c: c.estimator)
+def test_compute_matches_direct_call(config):
+    g = 4
+    batch = {k: f32(v) for k, v in make_batch(53, 8, 5, g, binary=True).items()}
+    a, ret = jit_compute()(config, batch["rewards"], batch["mask"], g, **compute_inputs(batch))
+    assert ret is None and a.shape == (8, 5)
+    close(a, np.asarray(broadcast_to_tokens(direct(config.estimator, batch, g, config), batch["mask"])))
+
+
+@pytest.mark.parametrize("alpha", [None, 0.05])
+def test_compute_gae(alpha):
+    batch = {k: f32(v) for k, v in make_batch(59, 8, 5, 4).items()}
+    r, mask, values = batch["rewards"], batch["mask"], batch["values"]
+    config = AdvantageConfig("gae", gamma=0.99, lam_actor=0.9, lam_critic=0.97, length_adaptive_alpha=alpha)
+    a, ret = jit_compute()(config, r, mask, 4, values=values)
+    lam = 0.9 if alpha is None else length_adaptive_lambda(mask.sum(1), alpha)
+    ref_a, ref_ret = decoupled_gae(outcome_token_rewards(r, mask), values, mask, gamma=0.99,
+                                       lam_actor=lam, lam_critic=0.97)
+    close(a, np.asarray(ref_a))
+    close(ret, np.asarray(ref_ret))
+
+
+def test_compute_token_penalty():
+    g = 4
+    raw = make_batch(61, 8, 5, g)
+    batch = {k: f32(v) for k, v in raw.items()}
+    r, mask, penalty = batch["rewards"], batch["mask"], batch["penalty"]  # penalty also on padding
+    seq_penalty = np.array([sum(raw["penalty"][i, t] for t in range(5) if raw["mask"][i, t])
+                            for i in range(8)])
+    a, _ = jit_compute()(AdvantageConfig("rloo"), r, mask, g, token_penalty=penalty)
+    close(a, ref_broadcast(ref_rloo(raw["rewards"] - seq_penalty, g), raw["mask"]))
+    a, ret = jit_compute()(AdvantageConfig("gae", gamma=1.0, lam_actor=0.8, lam_critic=1.0), r, mask, g,
+                           values=batch["values"], token_penalty=penalty)
+    token_rewards = ref_outcome(raw["rewards"], raw["mask"]) - raw["penalty"] * raw["mask"]
+    close(a, ref_gae(token_rewards, raw["values"], raw["mask"], 1.0, 0.8)[0])
+    close(ret, ref_gae(token_rewards, raw["values"], raw["mask"], 1.0, 1.0)[1])
+    # returns-to-go of the penalised reward: R - sum of penalties from t on
+    expected = np.array([[(raw["rewards"][i] - raw["penalty"][i, t:][raw["mask"][i, t:] > 0].sum())
+                          * raw["mask"][i, t] for t in range(5)] for i in range(8)])
+    close(ret, expected)
+
+
+def test_compute_entropy_bonus():
+    g = 4
+    batch = {k: f32(v) for k, v in make_batch(67, 8, 5, g).items()}
+    r, mask, h = batch["rewards"], batch["mask"], batch["entropy"]
+    config = AdvantageConfig("grpo", entropy_bonus_alpha=0.3, entropy_bonus_kappa=3.0)
+    a, _ = jit_compute()(config, r, mask, g, entropy=h)
+    base = broadcast_to_tokens(grpo(r, g), mask)
+    close(a, np.asarray(entropy_augmented(base, h, alpha=0.3, kappa=3.0)) * np.asarray(mask))
+    assert not np.asarray(a)[np.asarray(mask) == 0].any()
+
+
+def test_compute_per_component():
+    g = 4
+    raw = make_batch(71, 8, 5, g)
+    batch = {k: f32(v) for k, v in raw.items()}
+    config = AdvantageConfig("grpo", per_component=True, std_scope="group")
+    weights = (1.0, 0.5, 2.0)
+    a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
+                         component_weights=weights)
+    close(a, ref_broadcast(ref_components(raw["components"], g, weights, "group"), raw["mask"]))
+    # a token penalty enters as one more component of weight 1
+    a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
+                         component_weights=weights, token_penalty=batch["penalty"])
+    seq_penalty = (raw["penalty"] * raw["mask"]).sum(1)
+    with_penalty = np.concatenate([raw["components"], -seq_penalty[:, None]], axis=1)
+    close(a, ref_broadcast(ref_components(with_penalty, g, [*weights, 1.0], "group"), raw["mask"]))
+
+
+@pytest.mark.parametrize("config,message", [
+    (AdvantageConfig("gae"), r"advantage estimator 'gae' needs values from a critic \(set rl.critic\)"),
+    (AdvantageConfig("remax"), "advantage estimator 'remax' needs greedy_rewards"),
+    (AdvantageConfig("gtpo"), "advantage estimator 'gtpo' needs entropy"),
+    (AdvantageConfig("grpo_s"), "advantage estimator 'grpo_s' needs entropy"),
+    (AdvantageConfig("grpo", per_component=True), "advantage estimator 'grpo' needs components"),
+    (AdvantageConfig("rloo", entropy_bonus_alpha=0.1), "advantage estimator 'rloo' needs entropy"),
+])
+def test_compute_missing_inputs(config, message):
+    with pytest.raises(ValueError, match=message):
+        adv.compute(config, jnp.ones(4), jnp.ones((4, 3)), 2)
