@@ -6,12 +6,14 @@ A YAML recipe lists only what it changes from these defaults; `key.sub=value` ov
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
-from jaxrl.losses import GRPOLossConfig
+from jaxrl.advantages import NEEDS_CRITIC, Estimator
+from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
 from models.configs import ModelConfig
+
 
 
 def _field(default, **constraints):
@@ -49,27 +51,44 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO-style estimators (GAE)."""
+
+    model: Literal["none", "policy_copy"] = "none"  # policy_copy: the policy's trunk + a zero-initialised head
+    optim: OptimConfig = _section(OptimConfig, learning_rate=1e-3, warmup_steps=5)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """GRPO: rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches`
-    optimizer steps per batch."""
+    """Rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches` optimizer
+    steps per batch, each accumulated over `micro_batches`; the objective is `loss` (see jaxrl.losses)."""
 
     steps: int = _field(100, ge=0)
     prompts_per_step: int = _field(16, gt=0)
     group_size: int = _field(8, ge=2)
     epochs: int = _field(1, gt=0)
     minibatches: int = _field(1, gt=0)
-    normalize_std: bool = True
+    micro_batches: int = _field(1, gt=0)  # gradient accumulation inside each optimizer step
     sampling: SamplingConfig = _section(SamplingConfig)
-    loss: GRPOLossConfig = _section(GRPOLossConfig)
+    loss: LossConfig = _section(LossConfig)
+    critic: CriticConfig = _section(CriticConfig)
     optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
 
     def validate(self) -> None:
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for RL (greedy groups carry no signal)")
         batch = self.prompts_per_step * self.group_size
-        if batch % self.minibatches:
-            raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by "
-                             f"minibatches = {self.minibatches}")
+        if batch % (self.minibatches * self.micro_batches):
+            raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by minibatches x "
+                             f"micro_batches = {self.minibatches} x {self.micro_batches}")
+        estimator = self.loss.advantage.estimator
+        if estimator in NEEDS_CRITIC and self.critic.model == "none":
+            raise ValueError(f"advantage estimator {estimator!r} needs a critic, but critic.model is 'none'; "
+                             f"set critic.model to 'policy_copy', or choose an estimator without one: "
+                             f"{', '.join(e for e in get_args(Estimator) if e not in NEEDS_CRITIC)}")
+        if self.critic.model != "none" and estimator not in NEEDS_CRITIC:
+            raise ValueError(f"critic.model is {self.critic.model!r} but advantage estimator {estimator!r} does "
+                             f"not use values; estimators that do: {', '.join(sorted(NEEDS_CRITIC))}")
 
 
 @dataclasses.dataclass(frozen=True)

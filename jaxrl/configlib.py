@@ -239,6 +239,7 @@ def _merge(base, section: _Section, path: str):
     for key, entry in section.items.items():
         if key not in fields:
             raise _unknown_field(key, fields, path, entry.where)
+    base = _apply_preset(cls, base, section, path, hints)
     changes = {}
     for name, f in fields.items():
         _describe(hints[name])  # rejects unsupported schema types up front
@@ -261,6 +262,17 @@ def _merge(base, section: _Section, path: str):
     except ValueError as e:
         raise _error(section.where, path, str(e)) from e
     return obj
+
+
+def _apply_preset(cls, base, section: _Section, path: str, hints):
+    """A schema with a ``PRESETS`` mapping and a ``preset`` field: naming a preset starts the section from
+    the defaults updated with the preset's values; the section's other fields then apply on top of it."""
+    entry = section.items.get("preset")
+    presets = getattr(cls, "PRESETS", None)
+    if presets is None or not isinstance(entry, _Value) or entry.value is None:
+        return base
+    name = _coerce(hints["preset"], entry.value, _join(path, "preset"), entry.where)
+    return _merge(cls(), _entry(dict(presets[name]), f"{entry.where} (preset {name!r})"), path)
 
 
 def _convert(tp, entry: _Value | _Section, path: str, current):

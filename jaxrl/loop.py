@@ -1,12 +1,14 @@
-"""The RL run, top to bottom: tokenizer -> warm start -> held-out eval -> GRPO -> held-out eval.
+"""The RL run, top to bottom: tokenizer -> warm start -> held-out eval -> RL -> held-out eval.
 
 This module is the imperative edge: it owns I/O (files, progress bars, reward processes, checkpoints) and
-calls the pure jitted pieces (`sampling.sample`, `train.make_*_step`, `advantages`).
+calls the pure jitted pieces (`sampling.sample`, `losses.prepare_batch`, `train.make_*_step`). The objective
+is `config.rl.loss` (any preset or composition of `jaxrl.losses`), or a loss term passed to `run(loss=...)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -21,18 +23,18 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import models
-from jaxrl import configlib, rewards
-from jaxrl.advantages import grpo_advantages
+from jaxrl import configlib, losses, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
-from jaxrl.sampling import Rollout, SamplingConfig, sample
+from jaxrl.losses import Controls, Term
+from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
 from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, round_up, train_tokenizer
-from jaxrl.train import (TrainState, completion_logprobs, init_train_state, make_grpo_step, make_optimizer,
-                         make_sft_step)
+from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
+                         make_optimizer, make_rl_step, make_sft_step)
 
 log = logging.getLogger("jaxrl")
 
@@ -52,11 +54,12 @@ class Generator:
     prompt_length: int  # static padded prompt length: one compiled program per batch size
     mesh: jax.sharding.Mesh
 
-    def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig) -> tuple[Rollout, list[str]]:
+    def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
+                 temperature=None) -> tuple[Rollout, list[str]]:
         tokens, valid = encode_prompts(self.tokenizer, prompts, self.prompt_length)
         tokens, valid = shard_batch((tokens, valid), self.mesh)
         rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.eos_id,
-                                        self.tokenizer.pad_id))
+                                        self.tokenizer.pad_id, temperature))
         texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
         return rollout, texts
 
@@ -98,27 +101,33 @@ def warm_start(policy, config: Config, tokenizer, train_problems, prompt_length,
     return state
 
 
-def rollout_batch(policy, logprob_fn, rollout: Rollout, config: Config, mesh, ref_policy=None) -> dict:
-    """A rollout placed on the mesh, with its old (and reference) log-probs `[B, N]`.
+def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
+                  controls: Controls, mesh, ref_policy=None) -> dict:
+    """A rollout placed on the mesh, with what the objective needs from the sampling-time models `[B, N]`:
+    `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic) when used.
 
-    The log-prob computations are only dispatched here: the device runs them while the host scores the
-    rewards of the same rollout. `ref_policy` (the frozen warm-start policy) is needed for a KL term.
+    The device computations are only dispatched here: the device runs them while the host scores the
+    rewards of the same rollout.
     """
     batch = shard_batch({"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
-                         "completion_mask": rollout.completion_mask}, mesh)
-    temperature = config.rl.sampling.temperature
-    batch["old_logp"] = logprob_fn(policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
-    if config.rl.loss.kl_coef:
-        batch["ref_logp"] = logprob_fn(ref_policy, batch["tokens"], batch["prompt_valid"], temperature)[0]
+                         "completion_mask": rollout.completion_mask, "sampler_logp": rollout.sampler_logp,
+                         "truncated": rollout.finish_reason == FINISH_LENGTH}, mesh)
+    tokens, prompt_valid = batch["tokens"], batch["prompt_valid"]
+    batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature)
+    if loss_config.needs_entropy:
+        batch["entropy"] = entropy
+    if loss_config.needs_ref_logp:
+        batch["ref_logp"] = logprob_fn(ref_policy, tokens, prompt_valid, controls.temperature)[0]
+    if state.critic is not None:
+        batch["old_values"] = value_fn(state.critic, tokens, prompt_valid)
     return batch
 
 
-def rl_update(state, step_fn, batch: dict, advantages, config: Config, mesh, step: int):
-    """`epochs x minibatches` GRPO optimizer steps on one rollout batch; returns (state, mean metrics).
+def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
+    """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, mean metrics).
 
-    `advantages` `[B]` are per sequence; minibatches are drawn by a permutation seeded by (seed, step).
+    Minibatches are drawn by a permutation seeded by (seed, step).
     """
-    batch = {**batch, "advantages": shard_batch(np.asarray(advantages, np.float32), mesh)}
     size = batch["tokens"].shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
     collected = []
@@ -127,14 +136,30 @@ def rl_update(state, step_fn, batch: dict, advantages, config: Config, mesh, ste
         for m in range(config.rl.minibatches):
             minibatch = batch if order is None else jax.tree.map(
                 lambda x: x[order[m * size:(m + 1) * size]], batch)
-            state, metrics = step_fn(state, minibatch)
+            state, metrics = step_fn(state, minibatch, controls, ref_policy)
             collected.append(metrics)
     metrics = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *collected))
     return state, metrics
 
 
-def run(config: Config, config_source: str = "") -> dict[str, Any]:
-    """Train the default recipe end to end; writes everything under `config.output_dir`."""
+def update_controls(controls: Controls, entropy: float, config: losses.LossConfig) -> Controls:
+    """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy."""
+    if config.entropy_target is not None:
+        controls = controls.replace(entropy_coef=losses.adapt_entropy_coef(
+            controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step, config.entropy_coef_max))
+    if config.temperature_target_entropy is not None:
+        controls = controls.replace(temperature=losses.adapt_temperature(
+            controls.temperature, entropy, config.temperature_target_entropy, config.temperature_rate,
+            config.temperature_min, config.temperature_max))
+    return controls
+
+
+def run(config: Config, config_source: str = "", loss: Term | None = None) -> dict[str, Any]:
+    """Train the recipe end to end; writes everything under `config.output_dir`.
+
+    `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
+    config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
+    """
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
     out = config.output_dir
@@ -175,7 +200,8 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
         log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
 
         t0 = time.perf_counter()
-        state, totals = _grpo(state, config, train_problems, eval_problems, generate, pool, writer, checkpointer)
+        state, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer, checkpointer,
+                            loss)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -205,43 +231,80 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
-             title=f"GRPO on arithmetic chains (seed {config.seed})")
+             title=f"RL ({config.rl.loss.preset or 'custom'} loss) on arithmetic chains (seed {config.seed})")
     return summary
 
 
-def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer):
-    rl = config.rl
-    ref_policy = state.policy  # frozen warm-start policy for the optional KL term
+def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
+        loss: Term | None = None):
+    rl, loss_config = config.rl, config.rl.loss
+    ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
-    state = init_train_state(state.policy, optimizer)
-    step_fn = make_grpo_step(optimizer, rl.loss, rl.sampling.temperature)
-    logprob_fn = jax.jit(completion_logprobs, static_argnames="temperature")
+    with_critic = rl.critic.model != "none"
+    critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
+    state = init_train_state(state.policy, optimizer, init_critic(state.policy) if with_critic else None,
+                             critic_optimizer)
+    full_kl = loss_config.kl_estimator == "full" and loss_config.kl_coef > 0 and not loss_config.kl_in_reward
+    step_fn = make_rl_step(optimizer, loss or losses.build_loss(loss_config, with_critic=with_critic),
+                           micro_batches=rl.micro_batches,
+                           norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
+                           critic_optimizer=critic_optimizer, full_kl=full_kl)
+    logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
+    prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size))
+    controls = Controls.initial(loss_config, rl.sampling.temperature)
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0}
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
-    bar = tqdm(range(1, rl.steps + 1), desc="GRPO", disable=not config.progress, dynamic_ncols=True)
+    greedy = dataclasses.replace(rl.sampling, temperature=0.0)
+    bar = tqdm(range(1, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True)
     last_accuracy = None
     for step in bar:
         record: dict[str, Any] = {"phase": "rl", "step": step}
+        step_key = jax.random.fold_in(rl_key, step)
         t0 = time.perf_counter()
         problems = next(prompts_iter)
         prompts = [p.prompt for p in problems for _ in range(rl.group_size)]
         references = [str(p.answer) for p in problems for _ in range(rl.group_size)]
-        rollout, texts = generate(state.policy, prompts, jax.random.fold_in(rl_key, step), rl.sampling)
+        rollout, texts = generate(state.policy, prompts, step_key, rl.sampling, controls.temperature)
         t1 = time.perf_counter()
-        batch = rollout_batch(state.policy, logprob_fn, rollout, config, generate.mesh, ref_policy)
+        batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh, ref_policy)
         scored = pool.score(texts, references)  # on the host, while the device computes the log-probs
+        greedy_rewards = None
+        if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
+            _, greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy)
+            greedy_scored = pool.score(greedy_texts, [str(p.answer) for p in problems])
+            greedy_rewards = np.repeat(greedy_scored.rewards, rl.group_size)
+            record["reward/greedy_mean"] = float(greedy_scored.rewards.mean())
         t2 = time.perf_counter()
-        advantages = grpo_advantages(jnp.asarray(scored.rewards), rl.group_size, normalize_std=rl.normalize_std)
-        state, metrics = rl_update(state, step_fn, batch, advantages, config, generate.mesh, step)
+        reward_array = np.asarray(scored.rewards, np.float32)
+        fields, prep_metrics = prepare(
+            rewards=shard_batch(reward_array, generate.mesh), completion_mask=batch["completion_mask"],
+            old_logp=batch["old_logp"], key=jax.random.fold_in(step_key, 1), truncated=batch["truncated"],
+            entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
+            values=batch.get("old_values"),
+            greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, generate.mesh),
+            components=shard_batch(reward_array[:, None], generate.mesh))
+        train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
+                       if k in batch}
+        train_batch.update(fields)
+        state, metrics = rl_update(state, step_fn, train_batch, controls, config, step,
+                                   ref_policy if full_kl else None)
         t3 = time.perf_counter()
+        if loss_config.adaptive:
+            if "entropy" not in metrics:
+                raise ValueError("entropy_target / temperature_target_entropy need the loss to report an "
+                                 "'entropy' metric (losses.policy_term does)")
+            controls = update_controls(controls, float(metrics["entropy"]), loss_config)
         totals["reward_timeouts_total"] += scored.timeouts
         totals["reward_errors_total"] += scored.errors
         record.update(scored.metrics())
         record.update({f"train/{k}": v for k, v in metrics.items()})
+        record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
+        record["train/entropy_coef"] = float(controls.entropy_coef)
+        record["train/temperature"] = float(controls.temperature)
         record["train/completion_length"] = float(rollout.completion_mask.sum(1).mean())
-        record["train/truncated_frac"] = float((rollout.finish_reason == 1).mean())
+        record["train/truncated_frac"] = float((rollout.finish_reason == FINISH_LENGTH).mean())
         record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
         if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
             record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
@@ -250,7 +313,9 @@ def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, 
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step != rl.steps:
             checkpointer.save(step, _checkpoint_state(state),
                               {"phase": "rl", "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
-        postfix = {"reward": f"{record['reward/mean']:.2f}", "entropy": f"{metrics['entropy']:.3f}"}
+        postfix = {"reward": f"{record['reward/mean']:.2f}"}
+        if "entropy" in metrics:
+            postfix["entropy"] = f"{metrics['entropy']:.3f}"
         if last_accuracy is not None:
             postfix["eval_acc"] = f"{last_accuracy:.2f}"
         bar.set_postfix(postfix)
@@ -258,7 +323,10 @@ def _grpo(state, config: Config, train_problems, eval_problems, generate, pool, 
 
 
 def _checkpoint_state(state: TrainState) -> dict[str, Any]:
-    return {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step}
+    saved = {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step}
+    if state.critic is not None:
+        saved.update(critic_params=state.critic.params, critic_opt_state=state.critic_opt_state)
+    return saved
 
 
 def _prepare_output_dir(out: str) -> None:

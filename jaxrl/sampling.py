@@ -52,9 +52,12 @@ class Rollout(NamedTuple):
         return self.tokens[:, self.prompt_valid.shape[1]:]
 
 
-def filter_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
-    """Temperature, top-k and top-p applied to `logits [batch, vocab]` (float32); removed entries -> -inf."""
-    logits = logits / config.temperature
+def filter_logits(logits: jax.Array, config: SamplingConfig, temperature: jax.Array | None = None) -> jax.Array:
+    """Temperature, top-k and top-p applied to `logits [batch, vocab]` (float32); removed entries -> -inf.
+
+    `temperature` (a traced scalar) replaces `config.temperature` when given.
+    """
+    logits = logits / (config.temperature if temperature is None else temperature)
     if config.top_k:
         kth = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -68,13 +71,14 @@ def filter_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     return logits
 
 
-def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
+                 temperature: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of `logits [batch, vocab]`; returns `(tokens [batch], logp [batch])`."""
     if config.temperature == 0.0:
         tokens = jnp.argmax(logits, axis=-1)
         logp = jax.nn.log_softmax(logits, axis=-1)
     else:
-        filtered = filter_logits(logits, config)
+        filtered = filter_logits(logits, config, temperature)
         tokens = jax.random.categorical(key, filtered, axis=-1)
         logp = jax.nn.log_softmax(filtered, axis=-1)
     return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
@@ -89,6 +93,7 @@ def sample(
     config: SamplingConfig,
     eos_id: int,
     pad_id: int,
+    temperature: jax.Array | None = None,
 ) -> Rollout:
     """Sample one completion per prompt row.
 
@@ -99,6 +104,8 @@ def sample(
       rng: PRNG key; the same key gives the same rollout.
       config: static sampling settings.
       eos_id, pad_id: token ids (static).
+      temperature: optional traced scalar overriding `config.temperature` (> 0) without recompiling, for
+        temperature controllers; ignored for greedy configs.
     """
     batch, prompt_len = prompt_tokens.shape
     max_new = config.max_new_tokens
@@ -116,7 +123,7 @@ def sample(
 
     def body(carry):
         step, cache, logits, tokens, logps, mask, done = carry
-        token, logp = sample_token(logits, jax.random.fold_in(rng, step), config)
+        token, logp = sample_token(logits, jax.random.fold_in(rng, step), config, temperature)
         token = jnp.where(done, pad_id, token)
         tokens = tokens.at[:, step].set(token)
         logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))

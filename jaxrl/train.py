@@ -1,12 +1,17 @@
-"""Pure, jitted training steps: supervised warm start and the GRPO update.
+"""Pure, jitted training steps: supervised warm start and the RL update of any loss composition.
 
-`TrainState` is an explicit pytree; each step is `state, batch -> state, metrics`, built by a `make_*`
-function that closes over the static pieces (optimizer, loss settings) as PureJaxRL does.
+`TrainState` is an explicit pytree; each step is `state, batch, ... -> state, metrics`, built by a `make_*`
+function that closes over the static pieces (optimizer, loss terms) as PureJaxRL does.
+
+The RL step takes one optimiser mini-batch and, with `micro_batches > 1`, accumulates gradients over
+micro-batches in a `lax.scan`. Every loss term normalises by counts of the whole mini-batch
+(`losses.Normalizers`), so the accumulated loss and gradient equal those of the unsplit mini-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +20,7 @@ from flax import struct
 
 import models
 from jaxrl import losses
+from jaxrl.losses import Controls, LossInputs, Term
 from kernels import token_logprobs
 from models import Policy
 
@@ -23,10 +29,24 @@ StepFn = Callable[["TrainState", Batch], tuple["TrainState", dict[str, jax.Array
 
 
 @struct.dataclass
+class Critic:
+    """A value model: a copy of the policy's trunk and a linear head `[hidden] -> scalar`.
+
+    params: `{"trunk": <policy params>, "head": {"kernel": [hidden], "bias": []}}`.
+    """
+
+    graphdef: Any = struct.field(pytree_node=False)
+    config: models.ModelConfig = struct.field(pytree_node=False)
+    params: dict
+
+
+@struct.dataclass
 class TrainState:
     policy: Policy
     opt_state: optax.OptState
     step: jax.Array  # optimizer steps taken
+    critic: Critic | None = None
+    critic_opt_state: optax.OptState | None = None
 
 
 def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: float = 0.0, b1: float = 0.9,
@@ -39,34 +59,70 @@ def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: fl
     )
 
 
-def init_train_state(policy: Policy, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(policy=policy, opt_state=optimizer.init(policy.params), step=jnp.zeros((), jnp.int32))
+def init_critic(policy: Policy) -> Critic:
+    """A critic initialised from the policy: the same trunk weights and a zero value head."""
+    head = {"kernel": jnp.zeros((policy.config.hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+    return Critic(policy.graphdef, policy.config, {"trunk": policy.params, "head": head})
 
 
-def completion_logprobs(
-    policy: Policy, tokens: jax.Array, prompt_valid: jax.Array, temperature: float = 1.0
-) -> tuple[jax.Array, jax.Array]:
+def init_train_state(policy: Policy, optimizer: optax.GradientTransformation, critic: Critic | None = None,
+                     critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
+    if (critic is None) != (critic_optimizer is None):
+        raise ValueError("a critic needs its optimizer and an optimizer its critic")
+    return TrainState(policy=policy, opt_state=optimizer.init(policy.params), step=jnp.zeros((), jnp.int32),
+                      critic=critic, critic_opt_state=None if critic is None else critic_optimizer.init(critic.params))
+
+
+def _completion_hidden(policy: Policy, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:
+    """`[B, N, hidden]` final hidden states at the positions that predict the N completion tokens."""
+    prompt_len = prompt_valid.shape[1]
+    inputs = tokens[:, :-1]
+    valid = jnp.concatenate([prompt_valid, jnp.ones((tokens.shape[0], inputs.shape[1] - prompt_len), bool)], 1)
+    hidden, _ = models.apply(policy, inputs, models.positions_from_mask(valid), valid)
+    return hidden[:, prompt_len - 1:]
+
+
+def completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: jax.Array,
+                        temperature: float | jax.Array = 1.0) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of the completion tokens of a sampler-layout batch.
 
     Args:
       tokens: `[B, Lp + N]` left-padded prompt followed by the completion.
       prompt_valid: `[B, Lp]` bool.
+      temperature: scalar (may be traced): log-probs of the distribution sampled at this temperature.
 
     Returns:
       `(logp [B, N], entropy [B, N])` float32: position j scores `tokens[:, Lp + j]` given what precedes it.
     """
-    prompt_len = prompt_valid.shape[1]
-    inputs = tokens[:, :-1]
-    valid = jnp.concatenate([prompt_valid, jnp.ones((tokens.shape[0], inputs.shape[1] - prompt_len), bool)], 1)
-    hidden, _ = models.apply(policy, inputs, models.positions_from_mask(valid), valid)
-    return token_logprobs(hidden[:, prompt_len - 1:], models.unembedding(policy), tokens[:, prompt_len:],
-                          temperature)
+    hidden = _completion_hidden(policy, tokens, prompt_valid)
+    return token_logprobs(hidden, models.unembedding(policy), tokens[:, prompt_valid.shape[1]:], temperature)
 
 
-def _apply_gradients(state, optimizer, grads) -> TrainState:
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.policy.params)
-    params = optax.apply_updates(state.policy.params, updates)
-    return TrainState(policy=state.policy.replace(params=params), opt_state=opt_state, step=state.step + 1)
+def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:
+    """`[B, N]` float32 value of the state before each completion token."""
+    trunk = Policy(critic.graphdef, critic.config, critic.params["trunk"])
+    hidden = _completion_hidden(trunk, tokens, prompt_valid).astype(jnp.float32)
+    return hidden @ critic.params["head"]["kernel"] + critic.params["head"]["bias"]
+
+
+def _full_kl_to_reference(policy: Policy, ref_policy: Policy, tokens, prompt_valid, temperature) -> jax.Array:
+    """`[B, N]` exact KL(pi || ref) over the vocabulary at each completion position (ref: no gradient)."""
+    def log_probs(p):
+        hidden = _completion_hidden(p, tokens, prompt_valid)
+        logits = models.logits_from_hidden(p, hidden) / temperature
+        return jax.nn.log_softmax(logits, axis=-1)
+    return losses.kl_full(log_probs(policy), jax.lax.stop_gradient(log_probs(ref_policy)))
+
+
+def _apply_gradients(state: TrainState, optimizer, grads, critic_optimizer=None) -> TrainState:
+    updates, opt_state = optimizer.update(grads["policy"], state.opt_state, state.policy.params)
+    new = state.replace(policy=state.policy.replace(params=optax.apply_updates(state.policy.params, updates)),
+                        opt_state=opt_state, step=state.step + 1)
+    if state.critic is not None:
+        updates, critic_opt = critic_optimizer.update(grads["critic"], state.critic_opt_state, state.critic.params)
+        critic = state.critic.replace(params=optax.apply_updates(state.critic.params, updates))
+        new = new.replace(critic=critic, critic_opt_state=critic_opt)
+    return new
 
 
 def make_sft_step(optimizer: optax.GradientTransformation) -> StepFn:
@@ -74,39 +130,100 @@ def make_sft_step(optimizer: optax.GradientTransformation) -> StepFn:
 
     def loss_fn(params, policy, batch):
         logp, _ = completion_logprobs(policy.replace(params=params), batch["tokens"], batch["prompt_valid"])
-        mask = batch["completion_mask"].astype(jnp.float32)
-        return -losses.token_mean(logp, mask, mask.sum())
+        mask = batch["completion_mask"]
+        return -losses.aggregate(logp, mask, "token-mean", losses.normalizers(mask))
 
     @jax.jit
     def sft_step(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.policy.params, state.policy, batch)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        return _apply_gradients(state, optimizer, grads), metrics
+        return _apply_gradients(state, optimizer, {"policy": grads}), metrics
 
     return sft_step
 
 
-def make_grpo_step(
-    optimizer: optax.GradientTransformation, loss_config: losses.GRPOLossConfig, temperature: float = 1.0
-) -> StepFn:
-    """One GRPO optimizer step on a (mini-)batch.
+def _split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
+    """`[B, ...]` -> `[M, B/M, ...]`; micro-batch j holds rows j, j+M, ... so that each one spans every
+    data-parallel shard of a batch split into contiguous blocks."""
+    def split(x):
+        if x.shape[0] % micro_batches:
+            raise ValueError(f"a mini-batch of {x.shape[0]} rows does not split into {micro_batches} micro-batches")
+        return x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)
 
-    Batch: `tokens [B, Lp+N]`, `prompt_valid [B, Lp]`, `completion_mask [B, N]`, `advantages [B]`,
-    `old_logp [B, N]`, and `ref_logp [B, N]` when `loss_config.kl_coef > 0`.
+
+def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float = 1.0, full_kl: bool = False):
+    """`(state, batch, controls, ref_policy) -> (grads, metrics)` of `loss` over one mini-batch.
+
+    Batch (all `[B, ...]`): `tokens [B, Lp+N]`, `prompt_valid [B, Lp]`, `loss_mask`, `advantages`,
+    `old_logp` `[B, N]`, and optionally `ref_logp`, `token_weights`, `kl_cov_mask`, `old_values`,
+    `returns` `[B, N]`. `grads` is `{"policy": ..., "critic": ...}` (critic only with a critic).
+    `ref_policy` is needed only for the exact (`full_kl`) KL.
     """
 
-    def loss_fn(params, policy, batch):
-        logp, entropy = completion_logprobs(policy.replace(params=params), batch["tokens"],
-                                            batch["prompt_valid"], temperature)
-        mask = batch["completion_mask"].astype(jnp.float32)
-        advantages = jnp.broadcast_to(batch["advantages"][:, None], mask.shape)
-        return losses.grpo_loss(logp, batch["old_logp"], advantages, mask, entropy, mask.sum(), loss_config,
-                                ref_logp=batch.get("ref_logp"))
+    def micro_loss(trainable, state: TrainState, micro: Batch, norm, controls: Controls, ref_policy):
+        policy = state.policy.replace(params=trainable["policy"])
+        tokens, prompt_valid = micro["tokens"], micro["prompt_valid"]
+        logp, entropy = completion_logprobs(policy, tokens, prompt_valid, controls.temperature)
+        values = None
+        if state.critic is not None:
+            values = critic_values(state.critic.replace(params=trainable["critic"]), tokens, prompt_valid)
+        kl = _full_kl_to_reference(policy, ref_policy, tokens, prompt_valid, controls.temperature) if full_kl else None
+        inputs = LossInputs(logp=logp, old_logp=micro["old_logp"], advantages=micro["advantages"],
+                            mask=micro["loss_mask"], entropy=entropy, ref_logp=micro.get("ref_logp"),
+                            token_weights=micro.get("token_weights"), kl_cov_mask=micro.get("kl_cov_mask"),
+                            kl_full=kl, values=values, old_values=micro.get("old_values"),
+                            returns=micro.get("returns"))
+        return loss(inputs, norm, controls)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def gradients(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
+        if full_kl and ref_policy is None:
+            raise ValueError("the exact ('full') KL needs the reference policy")
+        trainable = {"policy": state.policy.params}
+        if state.critic is not None:
+            trainable["critic"] = state.critic.params
+        norm = losses.normalizers(batch["loss_mask"], norm_length)
+        if micro_batches == 1:
+            (_, metrics), grads = grad_fn(trainable, state, batch, norm, controls, ref_policy)
+            return grads, metrics
+
+        micro = _split_micro_batches(batch, micro_batches)
+        first = jax.tree.map(lambda x: x[0], micro)
+        (_, shapes), _ = jax.eval_shape(grad_fn, trainable, state, first, norm, controls, ref_policy)
+        start = {name: jnp.full(s.shape, -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min")
+                                else 0.0, s.dtype) for name, s in shapes.items()}
+
+        def accumulate(carry, mb):
+            grads, metrics = carry
+            (_, mb_metrics), mb_grads = grad_fn(trainable, state, mb, norm, controls, ref_policy)
+            return (jax.tree.map(jnp.add, grads, mb_grads), losses.reduce_metrics(metrics, mb_metrics)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), micro)
+        return grads, metrics
+
+    return gradients
+
+
+def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_batches: int = 1,
+                 norm_length: float = 1.0, critic_optimizer: optax.GradientTransformation | None = None,
+                 full_kl: bool = False):
+    """One optimizer step of `loss` (any composition of `jaxrl.losses` terms, or your own) on a mini-batch.
+
+    Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
+    `make_rl_gradients` for the batch. Metrics: the loss terms' metrics, `grad_norm` (policy, before
+    clipping) and `critic_grad_norm` with a critic.
+    """
+    gradients = make_rl_gradients(loss, micro_batches=micro_batches, norm_length=norm_length, full_kl=full_kl)
 
     @jax.jit
-    def grpo_step(state: TrainState, batch: Batch):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.policy.params, state.policy, batch)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return _apply_gradients(state, optimizer, grads), metrics
+    def rl_step(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
+        grads, metrics = gradients(state, batch, controls, ref_policy)
+        metrics["grad_norm"] = optax.tree.norm(grads["policy"])
+        if state.critic is not None:
+            metrics["critic_grad_norm"] = optax.tree.norm(grads["critic"])
+        return _apply_gradients(state, optimizer, grads, critic_optimizer), metrics
 
-    return grpo_step
+    return rl_step

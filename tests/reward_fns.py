@@ -45,3 +45,9 @@ def flaky_arithmetic(completion: str, reference: str) -> float:
 
 
 _calls = 0
+
+
+def length_parity(completion: str, reference: str) -> float:
+    """1.0 for completions of even length: a reward with variance inside every group of samples, so that
+    smoke tests see non-zero advantages even from an untrained policy."""
+    return float(len(completion) % 2 == 0)

@@ -4,7 +4,25 @@ import pytest
 
 from jaxrl import cli
 from jaxrl.config import Config
-from jaxrl.configlib import ConfigError, load_config
+from jaxrl.configlib import ConfigError, dump_yaml, load_config
+
+
+def test_presets_apply_under_explicit_fields(tmp_path):
+    """A preset sets its fields; fields set in the file or as overrides win over it, whatever the order."""
+    config = load_config(Config, "configs/default.yaml", ["rl.loss.preset=gspo"])
+    assert (config.rl.loss.ratio, config.rl.loss.clip_eps_high, config.rl.loss.aggregation) == (
+        "sequence", 4e-4, "seq-mean-token-mean")
+    path = tmp_path / "recipe.yaml"
+    path.write_text("rl:\n  loss:\n    clip_eps_high: 0.001\n    advantage:\n      std_scope: batch\n")
+    config = load_config(Config, path, ["rl.loss.preset=dr_grpo"])
+    assert config.rl.loss.preset == "dr_grpo" and config.rl.loss.aggregation == "seq-mean-token-sum-norm"
+    assert config.rl.loss.clip_eps_high == 0.001 and config.rl.loss.advantage.std_scope == "batch"
+    ppo = load_config(Config, "configs/default.yaml", ["rl.loss.preset=ppo", "rl.critic.model=policy_copy"])
+    assert ppo.rl.loss.advantage.estimator == "gae" and ppo.rl.loss.value_coef == 0.5
+    # The resolved config, dumped and loaded again, is the same config (presets and all).
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_yaml(config))
+    assert load_config(Config, dumped) == config
 
 
 def test_default_recipe_loads_and_overrides_apply():
@@ -22,7 +40,26 @@ def test_default_recipe_loads_and_overrides_apply():
         ("reward:\n  function: vibes\n", [], ["bad.yaml:2", "reward.function", "'arithmetic'"]),
         ("", ["rl.group_size=1"], ["rl.group_size", ">= 2"]),
         ("", ["model.num_kv_heads=3"], ["model", "num_heads (4) must be a multiple of num_kv_heads (3)"]),
-        ("", ["rl.minibatches=3"], ["rl", "not divisible by minibatches = 3"]),
+        ("", ["rl.minibatches=3"], ["rl", "not divisible by minibatches x micro_batches = 3 x 1"]),
+        ("", ["rl.micro_batches=3"], ["rl", "not divisible by minibatches x micro_batches = 1 x 3"]),
+        # The loss library: unknown presets and pieces list the valid choices; incompatible pieces are named.
+        ("rl:\n  loss:\n    preset: grpoo\n", [], ["bad.yaml:3", "rl.loss.preset", "'grpo'", "'dr_grpo'", "'kl_cov'"]),
+        ("", ["rl.loss.objective=ppo"], ["rl.loss.objective", "'ppo_clip'", "'cispo'", "'gmpo'"]),
+        ("", ["rl.loss.aggregation=mean"], ["rl.loss.aggregation", "'token-mean'", "'seq-mean-token-sum-norm'"]),
+        ("", ["rl.loss.ratio=seq"], ["rl.loss.ratio", "'sequence'", "'sequence_token'"]),
+        ("", ["rl.loss.kl_estimator=k4"], ["rl.loss.kl_estimator", "'k3'", "'full'"]),
+        ("", ["rl.loss.advantage.estimator=ppo"], ["rl.loss.advantage.estimator", "'gae'", "'rloo'", "'grpo_s'"]),
+        ("", ["rl.loss.advantage.estimator=gae"],
+         ["estimator 'gae' needs a critic", "critic.model to 'policy_copy'", "grpo, rloo, reinforce_pp"]),
+        ("", ["rl.loss.preset=ppo"], ["estimator 'gae' needs a critic"]),
+        ("", ["rl.critic.model=policy_copy"], ["advantage estimator 'grpo' does not use values", "gae"]),
+        ("", ["rl.critic.model=value_head"], ["rl.critic.model", "'policy_copy'"]),
+        ("", ["rl.loss.objective=gmpo", "rl.loss.ratio=sequence"], ["ratio must be 'token'"]),
+        ("", ["rl.loss.dual_clip_c=3", "rl.loss.objective=cispo"], ["dual_clip_c applies to objective 'ppo_clip'"]),
+        ("", ["rl.loss.dual_clip_c=0.5"], ["rl.loss.dual_clip_c", "> 1"]),
+        ("", ["rl.loss.kl_estimator=full", "rl.loss.kl_in_reward=true"], ["'full' is a loss term", "k1, k2, k3"]),
+        ("", ["rl.loss.advantage.per_component=true", "rl.loss.advantage.estimator=rloo"],
+         ["per_component", "'grpo'"]),
         ("", ["tokenizer.vocab_size=100"], ["tokenizer.vocab_size (100) exceeds model.vocab_size (64)"]),
         ("", ["rl.sampling.top_p=1.5"], ["rl.sampling.top_p", "<= 1"]),
     ],

@@ -1,0 +1,36 @@
+"""The loss library: policy-optimisation objectives composed from small pure pieces.
+
+| module | pieces |
+|---|---|
+| `aggregation` | `Normalizers` (whole-batch counts), `aggregate` (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm), `reduce_metrics` |
+| `policy` | importance ratios (token, GSPO sequence, GSPO-token), objectives (`ppo_clip` with clip-higher and dual clip, `reinforce`, `cispo`, `gmpo`), `truncated_is_weights` |
+| `masks` | batch-level token selections: overlong filtering, top-entropy ("forking") tokens, Clip-Cov, KL-Cov, log-prob/advantage covariance |
+| `regularizers` | KL estimators (k1, k2, k3, full), clipped value loss, adaptive entropy coefficient, temperature controller |
+| `config` | `LossConfig` and the named presets (configurations only) |
+| `compose` | `LossInputs`, `Controls`, terms (`policy_term`, `kl_term`, `entropy_term`, `kl_cov_term`, `value_term`), `combine`, `build_loss` |
+| `batch` | `prepare_batch`: advantages, masks and weights of a whole rollout batch, before it is split |
+
+Advantage estimators live in `jaxrl.advantages`.
+"""
+
+from jaxrl.losses.aggregation import AGGREGATIONS, Normalizers, aggregate, normalizers, reduce_metrics, token_mean
+from jaxrl.losses.batch import prepare_batch
+from jaxrl.losses.compose import (Controls, LossInputs, Term, build_loss, combine, entropy_term, kl_cov_term,
+                                  kl_term, policy_term, value_term)
+from jaxrl.losses.config import PRESETS, LossConfig
+from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covariance, top_entropy_mask,
+                                truncation_mask)
+from jaxrl.losses.policy import (OBJECTIVES, RATIOS, cispo, gmpo, ppo_clip, reinforce, sequence_log_ratio,
+                                 sequence_token_log_ratio, token_log_ratio, truncated_is_weights)
+from jaxrl.losses.regularizers import (KL_ESTIMATORS, adapt_entropy_coef, adapt_temperature, kl_estimate, kl_full,
+                                       kl_k1, kl_k2, kl_k3, value_loss)
+
+__all__ = [
+    "AGGREGATIONS", "KL_ESTIMATORS", "OBJECTIVES", "PRESETS", "RATIOS", "Controls", "LossConfig", "LossInputs",
+    "Normalizers", "Term", "adapt_entropy_coef", "adapt_temperature", "aggregate", "build_loss", "cispo",
+    "clip_cov_mask", "combine", "entropy_term", "gmpo", "kl_cov_mask", "kl_cov_term", "kl_estimate", "kl_full",
+    "kl_k1", "kl_k2", "kl_k3", "kl_term", "logp_advantage_covariance", "normalizers", "policy_term", "ppo_clip",
+    "prepare_batch", "reduce_metrics", "reinforce", "sequence_log_ratio", "sequence_token_log_ratio",
+    "token_log_ratio", "token_mean", "top_entropy_mask", "truncated_is_weights", "truncation_mask", "value_loss",
+    "value_term",
+]

@@ -1,0 +1,99 @@
+"""Batch-level preparation: everything a loss needs that depends on the whole rollout batch.
+
+`prepare_batch` runs once per rollout batch, before it is split into mini- and micro-batches: advantages
+(any estimator of `jaxrl.advantages`, with a KL penalty optionally folded into the reward), the loss mask
+(overlong filtering), per-token weights (truncated importance sampling, forking-token and Clip-Cov
+selections) and the KL-Cov selection. Inputs are `[B, N]` (`[B]` for rewards); pure and jit-able with
+`config` and `group_size` static.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl import advantages as adv
+from jaxrl.losses.config import LossConfig
+from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covariance, top_entropy_mask,
+                                truncation_mask)
+from jaxrl.losses.policy import truncated_is_weights
+from jaxrl.losses.regularizers import kl_estimate
+
+
+def _mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m) / jnp.maximum(m.sum(), 1.0)
+
+
+def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: jax.Array, old_logp: jax.Array,
+                  group_size: int, key: jax.Array, truncated: jax.Array | None = None,
+                  entropy: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                  sampler_logp: jax.Array | None = None, values: jax.Array | None = None,
+                  greedy_rewards: jax.Array | None = None, components: jax.Array | None = None,
+                  component_weights: tuple[float, ...] | None = None) -> tuple[dict[str, jax.Array], dict]:
+    """Advantages, masks and weights of a rollout batch.
+
+    Args:
+      rewards: `[B]` sequence rewards, groups of `group_size` contiguous.
+      completion_mask: `[B, N]` generated tokens.
+      old_logp, entropy, ref_logp, sampler_logp, values: `[B, N]`, from the sampling-time policy, the
+        reference, the sampler and the critic; each needed only by the pieces that use it.
+      truncated: `[B]` bool, completions that hit the length limit (for `mask_truncated`).
+      greedy_rewards, components, component_weights: for the `remax` and per-component estimators.
+      key: PRNG key (Clip-Cov's random selection).
+
+    Returns:
+      `(fields, metrics)`: fields `advantages [B, N]`, `loss_mask [B, N]`, and when used `token_weights`,
+      `kl_cov_mask`, `returns` (all `[B, N]` float32); scalar metrics of the batch.
+    """
+    mask = completion_mask.astype(jnp.float32)
+    metrics: dict[str, jax.Array] = {}
+    loss_mask = mask
+    if config.mask_truncated:
+        if truncated is None:
+            raise ValueError("mask_truncated needs the rollout's truncated flags")
+        loss_mask = truncation_mask(mask, truncated)
+        metrics["truncated_masked_frac"] = 1.0 - loss_mask.sum() / jnp.maximum(mask.sum(), 1.0)
+
+    token_penalty = None
+    if config.kl_in_reward and config.kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_in_reward needs the reference policy's log-probs (ref_logp)")
+        kl = kl_estimate(old_logp, ref_logp, config.kl_estimator) * mask
+        token_penalty = config.kl_coef * kl
+        metrics["kl_ref"] = _mean(kl, mask)
+
+    advantages, returns = adv.compute(config.advantage, rewards, mask, group_size, entropy=entropy, values=values,
+                                      greedy_rewards=greedy_rewards, components=components,
+                                      component_weights=component_weights, token_penalty=token_penalty)
+    fields = {"advantages": advantages, "loss_mask": loss_mask}
+    if returns is not None:
+        fields["returns"] = returns
+
+    weights = jnp.ones_like(mask)
+    if config.is_level != "none":
+        if sampler_logp is None:
+            raise ValueError(f"is_level {config.is_level!r} needs the sampler's log-probs (sampler_logp)")
+        is_weights, is_metrics = truncated_is_weights(old_logp, sampler_logp, loss_mask, config.is_level,
+                                                      config.is_mode, config.is_cap)
+        weights = weights * is_weights
+        metrics.update({name: _mean(value, loss_mask) for name, value in is_metrics.items()})
+    if config.top_entropy_fraction is not None:
+        if entropy is None:
+            raise ValueError("top_entropy_fraction needs the rollout's per-token entropy")
+        weights = weights * top_entropy_mask(entropy, loss_mask, config.top_entropy_fraction)
+    if config.clip_cov_ratio:
+        weights = weights * clip_cov_mask(old_logp, advantages, loss_mask, key, config.clip_cov_ratio,
+                                          config.clip_cov_low, config.clip_cov_high)
+    if config.is_level != "none" or config.top_entropy_fraction is not None or config.clip_cov_ratio:
+        fields["token_weights"] = weights
+        metrics["weight_zero_frac"] = _mean((weights == 0).astype(jnp.float32), loss_mask)
+    if config.kl_cov_ratio:
+        fields["kl_cov_mask"] = kl_cov_mask(old_logp, advantages, loss_mask, config.kl_cov_ratio)
+        metrics["kl_cov_frac"] = _mean(fields["kl_cov_mask"], loss_mask)
+
+    metrics["advantage_mean"] = _mean(advantages, loss_mask)
+    metrics["advantage_std"] = jnp.sqrt(_mean(jnp.square(advantages - metrics["advantage_mean"]), loss_mask))
+    metrics["logp_adv_cov"] = _mean(logp_advantage_covariance(old_logp, advantages, loss_mask), loss_mask)
+    metrics["loss_tokens"] = loss_mask.sum()
+    return fields, metrics

@@ -1,0 +1,207 @@
+"""Loss terms and their composition, in the manner of `optax.chain`.
+
+A *term* is a pure function `(LossInputs, Normalizers, Controls) -> (scalar, metrics)`. `combine` adds
+terms; `build_loss(config)` assembles the terms a `LossConfig` names. A new variant is a new term (or a
+new per-token objective handed to `policy_term`) passed to the trainer; nothing in the trainer changes:
+
+    def my_objective(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c):
+        ratio = jnp.exp(log_ratio)
+        return -jnp.tanh(ratio * advantages), {}
+
+    loss = losses.combine(losses.policy_term(my_objective, aggregation="token-mean"),
+                          losses.kl_term(0.01, "k3"))
+    loop.run(config, loss=loss)
+
+Metrics of a (micro-)batch are normalised by whole-batch counts (`Normalizers`), so the trainer adds them
+up over micro-batches (`_max`/`_min` names are maxed/minned, see `aggregation.reduce_metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl.losses.aggregation import Normalizers, aggregate, masked_max, masked_min, token_mean
+from jaxrl.losses.config import LossConfig
+from jaxrl.losses.policy import OBJECTIVE_FUNCTIONS, RATIO_FUNCTIONS, _ratio
+from jaxrl.losses.regularizers import kl_estimate, kl_k3, value_loss
+
+sg = jax.lax.stop_gradient
+Metrics = dict[str, jax.Array]
+
+
+@struct.dataclass
+class LossInputs:
+    """Per-token inputs of one (micro-)batch, all `[B, N]` float32 (B sequences, N completion tokens).
+
+    Gradients flow only through `logp`, `entropy` and `values`; everything else is data.
+    """
+
+    logp: jax.Array  # current policy's log-probs of the sampled tokens
+    old_logp: jax.Array  # log-probs under the parameters that sampled the batch
+    advantages: jax.Array
+    mask: jax.Array  # loss mask: completion tokens of kept sequences
+    entropy: jax.Array | None = None  # current policy's entropy at each position
+    ref_logp: jax.Array | None = None  # frozen reference policy
+    token_weights: jax.Array | None = None  # batch-level selections and IS weights multiplying the policy loss
+    kl_cov_mask: jax.Array | None = None  # tokens KL-Cov penalises
+    kl_full: jax.Array | None = None  # exact per-token KL to the reference (kl_estimator 'full')
+    values: jax.Array | None = None  # critic's current values
+    old_values: jax.Array | None = None
+    returns: jax.Array | None = None
+
+
+@struct.dataclass
+class Controls:
+    """Coefficients that controllers change between rollout batches (scalars, traced, so no recompiles)."""
+
+    entropy_coef: jax.Array
+    temperature: jax.Array
+
+    @classmethod
+    def initial(cls, config: LossConfig, temperature: float) -> "Controls":
+        return cls(entropy_coef=jnp.float32(config.entropy_coef), temperature=jnp.float32(temperature))
+
+
+Term = Callable[[LossInputs, Normalizers, Controls], tuple[jax.Array, Metrics]]
+ObjectiveFn = Callable[..., tuple[jax.Array, Metrics]]
+
+
+def _require(value, name: str, term: str):
+    if value is None:
+        raise ValueError(f"the {term} term needs LossInputs.{name}, which this batch does not have")
+    return value
+
+
+def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token", aggregation: str = "token-mean",
+                eps_low: float = 0.2, eps_high: float = 0.28, dual_clip_c: float | None = None) -> Term:
+    """The policy-gradient term: ratio -> per-token objective -> token weights -> aggregation.
+
+    `objective` names one of `policy.OBJECTIVE_FUNCTIONS` or is a function
+    `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c) -> (loss [B, N], metrics [B, N])`.
+    Metrics: `policy_loss`, the objective's per-token indicators (token means), `ratio_mean`, `ratio_max`,
+    `ratio_min`, `approx_kl_old` (k3 of the old policy to the current), `masked_frac` (valid tokens whose
+    weight is 0) and `entropy` when available.
+    """
+    if isinstance(objective, str):
+        if objective not in OBJECTIVE_FUNCTIONS:
+            raise ValueError(f"unknown objective {objective!r}; valid choices: {', '.join(OBJECTIVE_FUNCTIONS)}")
+        objective = OBJECTIVE_FUNCTIONS[objective]
+    if ratio not in RATIO_FUNCTIONS:
+        raise ValueError(f"unknown ratio {ratio!r}; valid choices: {', '.join(RATIO_FUNCTIONS)}")
+    ratio_fn = RATIO_FUNCTIONS[ratio]
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        mask = inputs.mask.astype(jnp.float32)
+        log_ratio = ratio_fn(inputs.logp, inputs.old_logp, mask)
+        per_token, token_metrics = objective(log_ratio, inputs.advantages, inputs.logp, mask, eps_low, eps_high,
+                                             dual_clip_c)
+        weights = jnp.ones_like(mask) if inputs.token_weights is None else inputs.token_weights
+        loss = aggregate(per_token * weights, mask, aggregation, norm)
+        ratio_value = _ratio(log_ratio)
+        metrics = {name: token_mean(value, mask, norm) for name, value in token_metrics.items()}
+        metrics.update(
+            policy_loss=loss,
+            ratio_mean=token_mean(ratio_value, mask, norm),
+            ratio_max=masked_max(ratio_value, mask),
+            ratio_min=masked_min(ratio_value, mask),
+            approx_kl_old=token_mean(kl_k3(sg(inputs.old_logp), sg(inputs.logp)), mask, norm),
+            masked_frac=token_mean((weights == 0).astype(jnp.float32), mask, norm),
+        )
+        if inputs.entropy is not None:
+            metrics["entropy"] = token_mean(sg(inputs.entropy), mask, norm)
+        return loss, metrics
+
+    return term
+
+
+def kl_term(coef: float, estimator: str = "k3", target: str = "ref", aggregation: str = "token-mean") -> Term:
+    """`coef * KL(pi || target)` with a sampled estimator (k1/k2/k3) or the exact `full` KL; metric
+    `kl_<target>` is the token mean of the estimate."""
+    if target not in ("ref", "old"):
+        raise ValueError(f"unknown KL target {target!r}; valid choices: ref, old")
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        if estimator == "full":
+            per_token = _require(inputs.kl_full, "kl_full", "full-KL")
+        else:
+            target_logp = inputs.ref_logp if target == "ref" else inputs.old_logp
+            target_logp = _require(target_logp, f"{target}_logp", f"KL-to-{target}")
+            per_token = kl_estimate(inputs.logp, sg(target_logp), estimator)
+        kl = aggregate(per_token, inputs.mask, aggregation, norm)
+        return coef * kl, {f"kl_{target}": token_mean(sg(per_token), inputs.mask, norm)}
+
+    return term
+
+
+def entropy_term(coef: float | None = None, aggregation: str = "token-mean") -> Term:
+    """Entropy bonus `-coef * H`; `coef=None` reads the adaptive `Controls.entropy_coef`."""
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        entropy = _require(inputs.entropy, "entropy", "entropy")
+        c = controls.entropy_coef if coef is None else coef
+        return -c * aggregate(entropy, inputs.mask, aggregation, norm), {}
+
+    return term
+
+
+def kl_cov_term(coef: float, aggregation: str = "token-mean") -> Term:
+    """KL-Cov's penalty `coef * |logp - old_logp|` on the tokens of `LossInputs.kl_cov_mask`."""
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        selected = _require(inputs.kl_cov_mask, "kl_cov_mask", "KL-Cov")
+        per_token = coef * jnp.abs(inputs.logp - sg(inputs.old_logp)) * selected
+        return aggregate(per_token, inputs.mask, aggregation, norm), {}
+
+    return term
+
+
+def value_term(coef: float = 0.5, clip_eps: float | None = 0.2, aggregation: str = "token-mean") -> Term:
+    """`coef * clipped value loss` (token-mean by default); metrics `value_loss`, `value_clip_frac`."""
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        values = _require(inputs.values, "values", "value")
+        per_token, metrics = value_loss(values, _require(inputs.old_values, "old_values", "value"),
+                                        _require(inputs.returns, "returns", "value"), clip_eps)
+        loss = aggregate(per_token, inputs.mask, aggregation, norm)
+        return coef * loss, {"value_loss": loss,
+                             "value_clip_frac": token_mean(metrics["value_clip_frac"], inputs.mask, norm)}
+
+    return term
+
+
+def combine(*terms: Term) -> Term:
+    """The sum of `terms`; metrics are merged (a name two terms both report is an error) plus `loss`."""
+
+    def loss_fn(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        total, metrics = jnp.float32(0.0), {}
+        for term in terms:
+            value, term_metrics = term(inputs, norm, controls)
+            clash = set(term_metrics) & set(metrics)
+            if clash:
+                raise ValueError(f"two loss terms report the same metrics {sorted(clash)}")
+            total = total + value
+            metrics.update(term_metrics)
+        metrics["loss"] = total
+        return total, metrics
+
+    return loss_fn
+
+
+def build_loss(config: LossConfig, *, with_critic: bool = False) -> Term:
+    """The loss a `LossConfig` describes (the value term only when a critic is trained)."""
+    agg = config.aggregation
+    terms = [policy_term(config.objective, config.ratio, agg, config.clip_eps_low, config.clip_eps_high,
+                         config.dual_clip_c)]
+    if config.kl_coef and not config.kl_in_reward:
+        terms.append(kl_term(config.kl_coef, config.kl_estimator, config.kl_target, agg))
+    if config.entropy_coef or config.entropy_target is not None:
+        terms.append(entropy_term(None if config.entropy_target is not None else config.entropy_coef, agg))
+    if config.kl_cov_ratio:
+        terms.append(kl_cov_term(config.kl_cov_coef, agg))
+    if with_critic:
+        terms.append(value_term(config.value_coef, config.value_clip_eps))
+    return combine(*terms)

@@ -1,0 +1,149 @@
+"""`LossConfig`: one objective as data, and the named presets that are nothing but configurations.
+
+A preset is a dict of field values applied on top of the defaults; fields set explicitly (in the YAML
+file or as `key=value` overrides) win over the preset, whatever their order:
+
+    rl:
+      loss:
+        preset: gspo
+        clip_eps_high: 5.0e-4     # GSPO with a wider upper clip
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, get_args
+
+from jaxrl.advantages import AdvantageConfig
+from jaxrl.losses.aggregation import Aggregation
+from jaxrl.losses.policy import Objective, Ratio
+from jaxrl.losses.regularizers import KLEstimator
+
+Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
+                 "kl_cov"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath (Shao et al. 2024, arXiv 2402.03300): group-normalised advantages, sequence-mean loss,
+    # k3 KL to the reference in the loss.
+    "grpo": dict(clip_eps_low=0.2, clip_eps_high=0.2, aggregation="seq-mean-token-mean", kl_coef=0.04,
+                 kl_estimator="k3", kl_target="ref"),
+    # Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): no std scaling, constant-length normaliser, no KL.
+    "dr_grpo": dict(advantage={"std_scope": "none"}, clip_eps_low=0.2, clip_eps_high=0.2,
+                    aggregation="seq-mean-token-sum-norm"),
+    # DAPO (Yu et al. 2025, arXiv 2503.14476): clip-higher, token-mean, no KL. Dynamic sampling and the
+    # overlong reward shaping live in the loop and in jaxrl.rewards.
+    "dapo": dict(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token-mean"),
+    # GSPO (Zheng et al. 2025, arXiv 2507.18071): sequence-level ratio with a tight clip.
+    "gspo": dict(ratio="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean"),
+    # CISPO (MiniMax-M1, arXiv 2506.13585): clipped detached IS weight on REINFORCE, no lower bound.
+    "cispo": dict(objective="cispo", clip_eps_low=1.0, clip_eps_high=0.28, aggregation="token-mean"),
+    # GMPO (Zhao et al. 2025, arXiv 2507.20673): geometric mean of token ratios, log-space clip (e^-0.4, e^0.4).
+    "gmpo": dict(objective="gmpo", clip_eps_low=0.4, clip_eps_high=0.4, aggregation="seq-mean-token-mean"),
+    # PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022) and VC-PPO's decoupled GAE lambdas
+    # (Yuan et al. 2025, arXiv 2503.01491). Needs rl.critic.
+    "ppo": dict(advantage={"estimator": "gae", "lam_actor": 0.95, "lam_critic": 1.0}, clip_eps_low=0.2,
+                clip_eps_high=0.2, aggregation="token-mean", value_coef=0.5, value_clip_eps=0.2),
+    # RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline, PPO clip.
+    "rloo": dict(advantage={"estimator": "rloo"}, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token-mean"),
+    # REINFORCE++ (Hu 2025, arXiv 2501.03262): batch-whitened returns, KL folded into the reward.
+    "reinforce_pp": dict(advantage={"estimator": "reinforce_pp", "group_baseline": False}, clip_eps_low=0.2,
+                         clip_eps_high=0.2, aggregation="token-mean", kl_coef=0.01, kl_estimator="k1",
+                         kl_in_reward=True),
+    # Clip-Cov (Cui et al. 2025, arXiv 2505.22617): detach a random share of high-covariance tokens.
+    "clip_cov": dict(clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token-mean", clip_cov_ratio=2e-4,
+                     clip_cov_low=1.0, clip_cov_high=5.0),
+    # KL-Cov (same paper): unclipped objective, KL penalty on the top-covariance tokens.
+    "kl_cov": dict(objective="reinforce", aggregation="token-mean", kl_cov_ratio=2e-3, kl_cov_coef=1.0),
+}
+assert set(PRESETS) == set(get_args(Preset))
+
+
+def _field(default, **bounds):
+    return dataclasses.field(default=default, metadata=bounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """A policy-optimisation objective: advantage estimator x ratio x objective x token masks x
+    aggregation + KL term + entropy term + value loss. Defaults are the `dapo` preset."""
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = PRESETS
+
+    preset: Preset | None = None  # a named configuration; explicitly set fields override it
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    # Importance ratio and objective.
+    ratio: Ratio = "token"
+    objective: Objective = "ppo_clip"
+    clip_eps_low: float = _field(0.2, ge=0)  # gmpo: log-space bounds
+    clip_eps_high: float = _field(0.28, ge=0)
+    dual_clip_c: float | None = _field(None, gt=1)  # ppo_clip only: caps the loss of A < 0 tokens at -c A
+    # Aggregation over tokens (normalised by whole-batch counts).
+    aggregation: Aggregation = "token-mean"
+    norm_length: int | None = _field(None, gt=0)  # seq-mean-token-sum-norm constant (default: max_new_tokens)
+    # Truncated importance sampling against the sampler's log-probs.
+    is_level: Literal["none", "token", "sequence"] = "none"
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    is_cap: float = _field(2.0, gt=1)
+    # Token masks.
+    mask_truncated: bool = False  # overlong filtering: no loss on completions that hit max_new_tokens
+    top_entropy_fraction: float | None = _field(None, gt=0, le=1)  # train only on the highest-entropy tokens
+    clip_cov_ratio: float = _field(0.0, ge=0, le=1)  # share of tokens Clip-Cov detaches (0: off)
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_ratio: float = _field(0.0, ge=0, le=1)  # share of tokens KL-Cov penalises (0: off)
+    kl_cov_coef: float = _field(1.0, ge=0)
+    # KL regularisation.
+    kl_coef: float = _field(0.0, ge=0)
+    kl_estimator: KLEstimator = "k3"
+    kl_target: Literal["ref", "old"] = "ref"  # the frozen reference policy, or the policy that sampled
+    kl_in_reward: bool = False  # subtract kl_coef x per-token KL from the reward instead of adding a loss
+    # Entropy control.
+    entropy_coef: float = _field(0.0, ge=0)  # bonus: loss -= coef x entropy (the start value when adaptive)
+    entropy_target: float | None = _field(None, ge=0)  # adapt the coefficient towards this entropy (nats)
+    entropy_coef_step: float = _field(1e-3, gt=0)
+    entropy_coef_max: float = _field(0.1, ge=0)
+    temperature_target_entropy: float | None = _field(None, ge=0)  # adapt the sampling temperature
+    temperature_rate: float = _field(0.5, gt=0)
+    temperature_min: float = _field(0.5, gt=0)
+    temperature_max: float = _field(2.0, gt=0)
+    # Value loss (with a critic).
+    value_coef: float = _field(0.5, ge=0)
+    value_clip_eps: float | None = _field(0.2, gt=0)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "LossConfig":
+        """`LossConfig.from_preset("gspo", clip_eps_high=5e-4)`: a preset with fields overridden (checked)."""
+        from jaxrl import configlib
+
+        return configlib.from_dict(cls, {"preset": name, **overrides}, source=f"LossConfig.from_preset({name!r})")
+
+    def validate(self) -> None:
+        if self.objective == "gmpo" and self.ratio != "token":
+            raise ValueError(f"objective 'gmpo' forms its own geometric-mean sequence ratio from token ratios; "
+                             f"ratio must be 'token', got {self.ratio!r}")
+        if self.dual_clip_c is not None and self.objective != "ppo_clip":
+            raise ValueError(f"dual_clip_c applies to objective 'ppo_clip' only, got objective {self.objective!r}")
+        if self.kl_estimator == "full" and (self.kl_in_reward or self.kl_target != "ref"):
+            raise ValueError("kl_estimator 'full' is a loss term to the reference policy (kl_target: ref, "
+                             "kl_in_reward: false); valid estimators otherwise: k1, k2, k3")
+        if self.clip_cov_ratio and not self.clip_cov_low < self.clip_cov_high:
+            raise ValueError(f"clip_cov_low ({self.clip_cov_low}) must be < clip_cov_high ({self.clip_cov_high})")
+        if not self.temperature_min <= self.temperature_max:
+            raise ValueError(f"temperature_min ({self.temperature_min}) must be <= temperature_max "
+                             f"({self.temperature_max})")
+
+    # Which per-token inputs the objective needs from the rollout; the loop computes only these.
+    @property
+    def needs_ref_logp(self) -> bool:
+        return self.kl_coef > 0 and self.kl_target == "ref"
+
+    @property
+    def needs_entropy(self) -> bool:
+        a = self.advantage
+        return (self.top_entropy_fraction is not None or a.entropy_bonus_alpha > 0
+                or a.estimator in ("gtpo", "grpo_s"))
+
+    @property
+    def adaptive(self) -> bool:
+        return self.entropy_target is not None or self.temperature_target_entropy is not None

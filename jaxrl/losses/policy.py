@@ -1,0 +1,171 @@
+"""Importance ratios and policy-gradient objectives, per token.
+
+Every function takes `[B, N]` arrays (B sequences, N completion tokens) and returns a per-token loss
+(to be aggregated, see `aggregation.py`) with per-token metric arrays. Only `logp` (the current policy's
+log-probs) carries gradients; `old_logp` and advantages are treated as constants.
+
+Ratios (`RATIOS`), each returning the log importance ratio per token:
+
+- `token`: `logp - old_logp` (PPO, Schulman et al. 2017).
+- `sequence`: GSPO's length-normalised sequence ratio `mean_t(logp - old_logp)` broadcast to the
+  sequence's tokens (Zheng et al. 2025, arXiv 2507.18071).
+- `sequence_token`: GSPO-token, `sg[seq] + logp - sg[logp]`: the sequence ratio's value with per-token
+  gradients, so token-level advantages stay usable.
+
+Objectives (`OBJECTIVES`), `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c)`:
+
+- `ppo_clip`: `max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)`, with the dual clip `min(., -c A)` for
+  `A < 0` when `dual_clip_c` is set (Ye et al. 2020, arXiv 1912.09729); `eps_high > eps_low` is DAPO's
+  clip-higher.
+- `reinforce`: `-r A`, the unclipped importance-weighted policy gradient (KL-Cov's base objective).
+- `cispo`: `-sg[clip(r, 1-eps_low, 1+eps_high)] A logp`: a REINFORCE term with a clipped, detached IS
+  weight, so no token's gradient is dropped (MiniMax-M1, arXiv 2506.13585).
+- `gmpo`: geometric mean of the token ratios of a sequence, each clipped in log space to
+  `[-eps_low, eps_high]` on the pessimistic side, times the advantage (Zhao et al. 2025, arXiv
+  2507.20673); the sequence's loss is broadcast to its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+sg = jax.lax.stop_gradient
+
+# Bound on |log ratio| before exp: beyond it a ratio is clipped anyway, and exp would overflow float32.
+MAX_LOG_RATIO = 20.0
+
+Ratio = Literal["token", "sequence", "sequence_token"]
+Objective = Literal["ppo_clip", "reinforce", "cispo", "gmpo"]
+RATIOS: tuple[str, ...] = get_args(Ratio)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+
+
+def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """`[B]` mean of `x [B, N]` over each row's valid tokens (0 for an empty row)."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m, axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
+
+
+def token_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """`[B, N]` `logp - old_logp`, zero on masked tokens (so padding can never overflow `exp`)."""
+    return jnp.where(mask.astype(bool), logp - sg(old_logp), 0.0)
+
+
+def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO: `[B, N]`, each valid token holds its sequence's `mean_t(logp - old_logp)`."""
+    seq = _sequence_mean(token_log_ratio(logp, old_logp, mask), mask)
+    return jnp.where(mask.astype(bool), seq[:, None], 0.0)
+
+
+def sequence_token_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO-token: value of the sequence ratio, gradient of each token's own log-prob."""
+    seq = sequence_log_ratio(logp, old_logp, mask)
+    return jnp.where(mask.astype(bool), sg(seq) + logp - sg(logp), 0.0)
+
+
+RATIO_FUNCTIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
+    "token": token_log_ratio, "sequence": sequence_log_ratio, "sequence_token": sequence_token_log_ratio,
+}
+
+
+def _ratio(log_ratio: jax.Array) -> jax.Array:
+    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=0.2, dual_clip_c=None):
+    """PPO clipped surrogate as a loss, with clip-higher and optional dual clip.
+
+    Returns `(loss [B, N], metrics)`; metrics are per-token indicators: `clip_frac_low` (A < 0 and
+    r < 1 - eps_low), `clip_frac_high` (A > 0 and r > 1 + eps_high), `clip_frac_dual` (A < 0 and r > c).
+    """
+    del logp, mask
+    ratio = _ratio(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(-ratio * advantages, -clipped * advantages)
+    negative = advantages < 0
+    metrics = {
+        "clip_frac_low": (negative & (ratio < 1.0 - eps_low)).astype(jnp.float32),
+        "clip_frac_high": ((advantages > 0) & (ratio > 1.0 + eps_high)).astype(jnp.float32),
+    }
+    if dual_clip_c is not None:
+        cap = -dual_clip_c * advantages
+        metrics["clip_frac_dual"] = (negative & (loss > cap)).astype(jnp.float32)
+        loss = jnp.where(negative, jnp.minimum(loss, cap), loss)
+    return loss, metrics
+
+
+def reinforce(log_ratio, advantages, logp=None, mask=None, eps_low=0.0, eps_high=0.0, dual_clip_c=None):
+    """Unclipped importance-weighted policy gradient `-r A` (no clip metrics)."""
+    del logp, mask, eps_low, eps_high, dual_clip_c
+    return -_ratio(log_ratio) * advantages, {}
+
+
+def cispo(log_ratio, advantages, logp, mask=None, eps_low=1.0, eps_high=0.28, dual_clip_c=None):
+    """CISPO: `-sg[clip(r, 1-eps_low, 1+eps_high)] * A * logp`.
+
+    Written as `... * exp(logp - sg[logp])`, whose value is 1 and whose gradient is that of `logp`, so the
+    loss value reads like PPO's (`-w A` on policy) while the gradient is CISPO's `-w A grad(logp)`.
+    """
+    del mask, dual_clip_c
+    ratio = _ratio(log_ratio)
+    weight = sg(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    loss = -weight * advantages * jnp.exp(logp - sg(logp))
+    metrics = {"clip_frac_low": (ratio < 1.0 - eps_low).astype(jnp.float32),
+               "clip_frac_high": (ratio > 1.0 + eps_high).astype(jnp.float32)}
+    return loss, metrics
+
+
+def gmpo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.4, dual_clip_c=None):
+    """GMPO: `-A * exp(mean_t(sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_low, eps_high))))`.
+
+    `log_ratio` must be the token log ratio; `eps_*` bound it in log space. The sequence's value is
+    broadcast to its tokens (use a sequence-mean aggregation). `clip_frac` counts tokens whose log ratio
+    was clipped on the pessimistic side.
+    """
+    del logp, dual_clip_c
+    sign = jnp.sign(advantages)
+    clipped = jnp.clip(log_ratio, -eps_low, eps_high)
+    pessimistic = sign * jnp.minimum(sign * log_ratio, sign * clipped)
+    seq_ratio = jnp.exp(jnp.clip(_sequence_mean(pessimistic, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    loss = -advantages * seq_ratio[:, None]
+    was_clipped = sign * clipped < sign * log_ratio
+    metrics = {"clip_frac_low": (was_clipped & (log_ratio < -eps_low)).astype(jnp.float32),
+               "clip_frac_high": (was_clipped & (log_ratio > eps_high)).astype(jnp.float32)}
+    return loss, metrics
+
+
+OBJECTIVE_FUNCTIONS = {"ppo_clip": ppo_clip, "reinforce": reinforce, "cispo": cispo, "gmpo": gmpo}
+
+
+def truncated_is_weights(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array,
+                         level: Literal["token", "sequence"] = "token",
+                         mode: Literal["truncate", "mask"] = "truncate", cap: float = 2.0):
+    """Importance weights `pi_old / pi_sampler` correcting a sampler/trainer mismatch (no gradient).
+
+    Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): `level="token"` weighs each token by its own ratio, `"sequence"` by the product of the
+    sequence's ratios; `mode="truncate"` caps the weight at `cap`, `"mask"` zeroes tokens (sequences)
+    whose weight exceeds it (masked IS).
+
+    Returns `(weights [B, N], metrics)`: `is_weight` (per token) and `is_capped` (indicator).
+    """
+    valid = mask.astype(bool)
+    log_w = jnp.where(valid, sg(old_logp) - sg(sampler_logp), 0.0)
+    if level == "sequence":
+        log_w = jnp.where(valid, jnp.sum(log_w, axis=1, keepdims=True), 0.0)
+    elif level != "token":
+        raise ValueError(f"unknown importance-sampling level {level!r}; valid choices: token, sequence")
+    log_cap = jnp.log(cap)
+    capped = log_w > log_cap
+    if mode == "truncate":
+        weights = jnp.exp(jnp.minimum(log_w, log_cap))
+    elif mode == "mask":
+        weights = jnp.where(capped, 0.0, jnp.exp(jnp.minimum(log_w, log_cap)))
+    else:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; valid choices: truncate, mask")
+    weights = jnp.where(valid, weights, 0.0)
+    return weights, {"is_weight": weights, "is_capped": (capped & valid).astype(jnp.float32)}
