@@ -410,7 +410,7 @@ def compute(
     penalty = None if token_penalty is None else jnp.asarray(token_penalty, jnp.float32) * mask
     returns = None
     if name == "gae":
-        values = _require(values, name, "values from a critic (set rl.critic)")
+        values = _require(values, name, "values from a critic (set rl.critic.model)")
         token_rewards = outcome_token_rewards(rewards, mask)
         if penalty is not None:
             token_rewards = token_rewards - penalty

@@ -146,7 +146,8 @@ def update_controls(controls: Controls, entropy: float, config: losses.LossConfi
     """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy."""
     if config.entropy_target is not None:
         controls = controls.replace(entropy_coef=losses.adapt_entropy_coef(
-            controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step, config.entropy_coef_max))
+            controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step,
+            config.entropy_coef_max))
     if config.temperature_target_entropy is not None:
         controls = controls.replace(temperature=losses.adapt_temperature(
             controls.temperature, entropy, config.temperature_target_entropy, config.temperature_rate,
@@ -200,8 +201,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None) -> di
         log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
 
         t0 = time.perf_counter()
-        state, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer, checkpointer,
-                            loss)
+        state, controls, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer,
+                                      checkpointer, loss)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -209,7 +210,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None) -> di
         times["eval_after_time_s"] = time.perf_counter() - t0
         writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
 
-    checkpointer.save(config.rl.steps, _checkpoint_state(state), {"phase": "done", "rl_step": config.rl.steps})
+    checkpointer.save(config.rl.steps, _checkpoint_state(state, controls),
+                      {"phase": "done", "rl_step": config.rl.steps})
     checkpointer.close()
     times["total_wall_time_s"] = time.perf_counter() - wall_start
 
@@ -268,7 +270,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         references = [str(p.answer) for p in problems for _ in range(rl.group_size)]
         rollout, texts = generate(state.policy, prompts, step_key, rl.sampling, controls.temperature)
         t1 = time.perf_counter()
-        batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh, ref_policy)
+        batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh,
+                              ref_policy)
         scored = pool.score(texts, references)  # on the host, while the device computes the log-probs
         greedy_rewards = None
         if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
@@ -311,7 +314,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             last_accuracy = record["eval/accuracy"]
         writer.write(record)
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step != rl.steps:
-            checkpointer.save(step, _checkpoint_state(state),
+            checkpointer.save(step, _checkpoint_state(state, controls),
                               {"phase": "rl", "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
         postfix = {"reward": f"{record['reward/mean']:.2f}"}
         if "entropy" in metrics:
@@ -319,11 +322,12 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         if last_accuracy is not None:
             postfix["eval_acc"] = f"{last_accuracy:.2f}"
         bar.set_postfix(postfix)
-    return state, totals
+    return state, controls, totals
 
 
-def _checkpoint_state(state: TrainState) -> dict[str, Any]:
-    saved = {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step}
+def _checkpoint_state(state: TrainState, controls: Controls) -> dict[str, Any]:
+    saved = {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step,
+             "controls": {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature}}
     if state.critic is not None:
         saved.update(critic_params=state.critic.params, critic_opt_state=state.critic_opt_state)
     return saved

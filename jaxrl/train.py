@@ -69,8 +69,9 @@ def init_train_state(policy: Policy, optimizer: optax.GradientTransformation, cr
                      critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs its optimizer and an optimizer its critic")
+    critic_opt_state = None if critic is None else critic_optimizer.init(critic.params)
     return TrainState(policy=policy, opt_state=optimizer.init(policy.params), step=jnp.zeros((), jnp.int32),
-                      critic=critic, critic_opt_state=None if critic is None else critic_optimizer.init(critic.params))
+                      critic=critic, critic_opt_state=critic_opt_state)
 
 
 def _completion_hidden(policy: Policy, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:
@@ -147,7 +148,8 @@ def _split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
     data-parallel shard of a batch split into contiguous blocks."""
     def split(x):
         if x.shape[0] % micro_batches:
-            raise ValueError(f"a mini-batch of {x.shape[0]} rows does not split into {micro_batches} micro-batches")
+            raise ValueError(f"a mini-batch of {x.shape[0]} rows does not split into {micro_batches} "
+                             "micro-batches")
         return x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
     return jax.tree.map(split, batch)
 
@@ -168,7 +170,9 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         values = None
         if state.critic is not None:
             values = critic_values(state.critic.replace(params=trainable["critic"]), tokens, prompt_valid)
-        kl = _full_kl_to_reference(policy, ref_policy, tokens, prompt_valid, controls.temperature) if full_kl else None
+        kl = None
+        if full_kl:
+            kl = _full_kl_to_reference(policy, ref_policy, tokens, prompt_valid, controls.temperature)
         inputs = LossInputs(logp=logp, old_logp=micro["old_logp"], advantages=micro["advantages"],
                             mask=micro["loss_mask"], entropy=entropy, ref_logp=micro.get("ref_logp"),
                             token_weights=micro.get("token_weights"), kl_cov_mask=micro.get("kl_cov_mask"),

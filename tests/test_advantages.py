@@ -561,7 +561,7 @@ def test_compute_per_component():
 
 
 @pytest.mark.parametrize("config,message", [
-    (AdvantageConfig("gae"), r"advantage estimator 'gae' needs values from a critic \(set rl.critic\)"),
+    (AdvantageConfig("gae"), r"advantage estimator 'gae' needs values from a critic \(set rl.critic.model\)"),
     (AdvantageConfig("remax"), "advantage estimator 'remax' needs greedy_rewards"),
     (AdvantageConfig("gtpo"), "advantage estimator 'gtpo' needs entropy"),
     (AdvantageConfig("grpo_s"), "advantage estimator 'grpo_s' needs entropy"),

@@ -89,7 +89,8 @@ def test_four_micro_batches_give_the_loss_and_gradient_of_one(aggregation, kl_es
     # Metrics add up over micro-batches too (extremes take max/min).
     for name in m1:
         np.testing.assert_allclose(m4[name], m1[name], rtol=2e-6, atol=1e-7, err_msg=name)
-    assert float(m1["loss"]) != 0.0 and all(np.linalg.norm(np.asarray(g)) > 0 for g in jax.tree.leaves(g1["policy"]))
+    assert float(m1["loss"]) != 0.0
+    assert all(np.linalg.norm(np.asarray(g)) > 0 for g in jax.tree.leaves(g1["policy"]))
 
 
 def test_a_batch_that_does_not_split_is_an_error():
@@ -214,3 +215,20 @@ def test_data_parallel_meshes_give_the_single_device_loss_and_gradient():
     result = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env, cwd=os.path.dirname(here),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_controllers_move_the_entropy_coefficient_and_temperature_and_are_checkpointed(tmp_path, monkeypatch):
+    """A target entropy far above the policy's raises the bonus coefficient and the sampling temperature
+    every step (within their bounds); the controller state is saved with the run state."""
+    import orbax.checkpoint as ocp
+
+    records, _ = _run(tmp_path, monkeypatch, "rl.steps=3", "checkpoint.every=2", "rl.loss.entropy_target=50",
+                      "rl.loss.entropy_coef_step=0.01", "rl.loss.temperature_target_entropy=50",
+                      "rl.loss.temperature_rate=0.002", "rl.loss.temperature_max=1.3")
+    coefs = [r["train/entropy_coef"] for r in records]
+    temperatures = [r["train/temperature"] for r in records]
+    np.testing.assert_allclose(coefs, [0.01, 0.02, 0.03], rtol=1e-6)
+    assert 1.0 < temperatures[0] < temperatures[1] <= temperatures[2] <= 1.3
+    saved = ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / "checkpoints" / "3" / "state"))
+    assert float(saved["controls"]["entropy_coef"]) == pytest.approx(coefs[-1])
+    assert float(saved["controls"]["temperature"]) == pytest.approx(temperatures[-1])

@@ -37,7 +37,7 @@ Metrics = dict[str, jax.Array]
 class LossInputs:
     """Per-token inputs of one (micro-)batch, all `[B, N]` float32 (B sequences, N completion tokens).
 
-    Gradients flow only through `logp`, `entropy` and `values`; everything else is data.
+    Gradients flow only through `logp`, `entropy`, `values` and `kl_full`; everything else is data.
     """
 
     logp: jax.Array  # current policy's log-probs of the sampled tokens
@@ -123,6 +123,8 @@ def kl_term(coef: float, estimator: str = "k3", target: str = "ref", aggregation
     `kl_<target>` is the token mean of the estimate."""
     if target not in ("ref", "old"):
         raise ValueError(f"unknown KL target {target!r}; valid choices: ref, old")
+    if estimator == "full" and target != "ref":
+        raise ValueError("the 'full' KL estimator is computed to the reference policy only (target='ref')")
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         if estimator == "full":
@@ -160,7 +162,8 @@ def kl_cov_term(coef: float, aggregation: str = "token-mean") -> Term:
 
 
 def value_term(coef: float = 0.5, clip_eps: float | None = 0.2, aggregation: str = "token-mean") -> Term:
-    """`coef * clipped value loss` (token-mean by default); metrics `value_loss`, `value_clip_frac`."""
+    """`coef * clipped value loss`; metrics `value_loss`, `value_clip_frac`. `build_loss` uses token-mean
+    whatever the policy's aggregation: value regression is per token (as in PPO implementations)."""
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         values = _require(inputs.values, "values", "value")

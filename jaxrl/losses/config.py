@@ -127,6 +127,9 @@ class LossConfig:
         if self.kl_estimator == "full" and (self.kl_in_reward or self.kl_target != "ref"):
             raise ValueError("kl_estimator 'full' is a loss term to the reference policy (kl_target: ref, "
                              "kl_in_reward: false); valid estimators otherwise: k1, k2, k3")
+        if self.kl_in_reward and self.kl_target != "ref":
+            raise ValueError("kl_in_reward folds KL(old policy || reference) into the reward; kl_target must be "
+                             f"'ref', got {self.kl_target!r}")
         if self.clip_cov_ratio and not self.clip_cov_low < self.clip_cov_high:
             raise ValueError(f"clip_cov_low ({self.clip_cov_low}) must be < clip_cov_high ({self.clip_cov_high})")
         if not self.temperature_min <= self.temperature_max:

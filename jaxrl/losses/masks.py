@@ -27,6 +27,14 @@ def _valid_count(mask: jax.Array) -> jax.Array:
     return mask.astype(jnp.float32).sum()
 
 
+def _share(fraction: float, count: jax.Array, round_up: bool) -> jax.Array:
+    """`ceil` / `floor` of `fraction * count`, at least 1, ignoring the float32 rounding of the product
+    (float32(0.3) * 50 is 15.000001, whose ceil would be 16)."""
+    x = fraction * count
+    slack = 1e-6 * x
+    return jnp.maximum(jnp.ceil(x - slack) if round_up else jnp.floor(x + slack), 1.0)
+
+
 def _ranks_descending(scores: jax.Array) -> jax.Array:
     """`[B, N]` rank of each entry of `scores` in descending order over the flattened batch (0 = top)."""
     flat = scores.reshape(-1)
@@ -39,7 +47,7 @@ def top_entropy_mask(entropy: jax.Array, mask: jax.Array, keep_fraction: float) 
     """"Forking tokens" (Wang et al. 2025, arXiv 2506.01939): 1.0 on the `keep_fraction` share of valid
     tokens with the highest entropy in the batch (at least one), 0.0 elsewhere."""
     valid = mask.astype(bool)
-    k = jnp.maximum(jnp.ceil(keep_fraction * _valid_count(mask)), 1.0)
+    k = _share(keep_fraction, _valid_count(mask), round_up=True)
     ranks = _ranks_descending(jnp.where(valid, sg(entropy), -jnp.inf))
     return (valid & (ranks < k)).astype(jnp.float32)
 
@@ -64,7 +72,7 @@ def clip_cov_mask(logp: jax.Array, advantages: jax.Array, mask: jax.Array, key: 
     valid = mask.astype(bool)
     cov = logp_advantage_covariance(logp, advantages, mask)
     candidate = valid & (cov > low) & (cov < high)
-    k = jnp.maximum(jnp.floor(ratio * _valid_count(mask)), 1.0)
+    k = _share(ratio, _valid_count(mask), round_up=False)
     priority = jnp.where(candidate, jax.random.uniform(key, cov.shape), -1.0)
     detached = candidate & (_ranks_descending(priority) < k)
     return 1.0 - detached.astype(jnp.float32)
@@ -75,6 +83,6 @@ def kl_cov_mask(logp: jax.Array, advantages: jax.Array, mask: jax.Array, ratio: 
     covariance, the tokens that get a KL penalty; 0.0 elsewhere."""
     valid = mask.astype(bool)
     cov = logp_advantage_covariance(logp, advantages, mask)
-    k = jnp.maximum(jnp.floor(ratio * _valid_count(mask)), 1.0)
+    k = _share(ratio, _valid_count(mask), round_up=False)
     ranks = _ranks_descending(jnp.where(valid, cov, -jnp.inf))
     return (valid & (ranks < k)).astype(jnp.float32)

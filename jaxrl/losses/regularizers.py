@@ -54,14 +54,17 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, cli
     """Clipped value loss of PPO: `0.5 max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)`.
 
     All `[B, N]`. Without `clip_eps` it is `0.5 (v - R)^2`. Returns `(loss [B, N], metrics)` with the
-    per-token indicator `value_clip_frac` (the clipped branch is the larger one).
+    per-token indicator `value_clip_frac` (the value moved beyond the clip range and the clipped branch is
+    the larger one).
     """
     old_values, returns = jax.lax.stop_gradient(old_values), jax.lax.stop_gradient(returns)
     unclipped = jnp.square(values - returns)
     if clip_eps is None:
         return 0.5 * unclipped, {"value_clip_frac": jnp.zeros_like(values)}
     clipped = jnp.square(old_values + jnp.clip(values - old_values, -clip_eps, clip_eps) - returns)
-    return 0.5 * jnp.maximum(unclipped, clipped), {"value_clip_frac": (clipped > unclipped).astype(jnp.float32)}
+    # Within the clip range both branches are equal up to float32 rounding: count only real clipping.
+    was_clipped = (jnp.abs(values - old_values) > clip_eps) & (clipped > unclipped)
+    return 0.5 * jnp.maximum(unclipped, clipped), {"value_clip_frac": was_clipped.astype(jnp.float32)}
 
 
 def adapt_entropy_coef(coef: jax.Array, entropy: jax.Array, target: float, step: float,
