@@ -22,7 +22,9 @@ the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
 string: unquoted scalars and override values that ``float()`` accepts are taken
 for float fields. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
-``ValueError``. Every problem raises :class:`ConfigError`, whose message names
+``ValueError``. A dataclass with a ``PRESETS`` class attribute (name -> mapping
+of field values) and a ``preset`` field is built from the named preset first;
+the section's explicitly set fields then apply on top, whatever their order. Every problem raises :class:`ConfigError`, whose message names
 the dotted field and, when known, ``file:line`` or the offending override, e.g.
 ``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
 """

@@ -246,7 +246,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
     state = init_train_state(state.policy, optimizer, init_critic(state.policy) if with_critic else None,
                              critic_optimizer)
-    full_kl = loss_config.kl_estimator == "full" and loss_config.kl_coef > 0 and not loss_config.kl_in_reward
+    full_kl = loss_config.needs_full_kl
     step_fn = make_rl_step(optimizer, loss or losses.build_loss(loss_config, with_critic=with_critic),
                            micro_batches=rl.micro_batches,
                            norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -329,3 +329,37 @@ def test_configs_are_frozen():
     cfg = load_config(Root)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 3  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class Clip:
+    low: float = 0.2
+    high: float = 0.2
+
+
+@dataclass(frozen=True)
+class Objective:
+    PRESETS: ClassVar[dict] = {"wide": {"clip": {"high": 0.5}, "mode": "sum"}, "tight": {"clip": {"low": 0.01}}}
+    preset: Literal["wide", "tight"] | None = None
+    mode: Literal["mean", "sum"] = "mean"
+    clip: Clip = field(default_factory=Clip)
+
+
+@dataclass(frozen=True)
+class WithObjective:
+    loss: Objective = field(default_factory=Objective)
+
+
+def test_presets_start_from_the_named_values_and_explicit_fields_win(tmp_path):
+    assert load_config(WithObjective, overrides=["loss.preset=wide"]).loss == Objective("wide", "sum", Clip(0.2, 0.5))
+    path = tmp_path / "c.yaml"
+    path.write_text("loss:\n  clip:\n    high: 0.3\n  preset: wide\n")  # the explicit field wins, in any order
+    assert load_config(WithObjective, path).loss == Objective("wide", "sum", Clip(0.2, 0.3))
+    assert load_config(WithObjective, path, ["loss.preset=tight"]).loss == Objective("tight", "mean", Clip(0.01, 0.3))
+    config = load_config(WithObjective, path)
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_yaml(config))
+    assert load_config(WithObjective, dumped) == config
+    with pytest.raises(ConfigError, match=r"c.yaml:4: loss.preset: expected one of 'wide', 'tight' or null"):
+        path.write_text("loss:\n  clip:\n    high: 0.3\n  preset: narrow\n")
+        load_config(WithObjective, path)

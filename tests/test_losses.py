@@ -1281,3 +1281,28 @@ def test_prepare_batch_token_weights_and_kl_cov_mask():
     expected[valid[np.argsort(-cov.reshape(-1)[valid], kind="stable")[:k]]] = 1.0
     np.testing.assert_array_equal(np.asarray(fields["kl_cov_mask"]).reshape(-1), expected)
     assert float(metrics["kl_cov_frac"]) == pytest.approx(k / len(valid), rel=1e-6)
+
+
+@pytest.mark.parametrize("build, choices", [
+    (lambda: policy_term("ppo"), OBJECTIVES),
+    (lambda: policy_term("ppo_clip", ratio="seq"), RATIOS),
+    (lambda: kl_term(0.1, target="reference"), ("ref", "old")),
+    (lambda: kl_term(0.1, estimator="full", target="old"), ("target='ref'",)),
+])
+def test_unknown_piece_names_list_the_valid_choices(build, choices):
+    with pytest.raises(ValueError) as err:
+        build()
+    for choice in choices:
+        assert choice in str(err.value)
+
+
+def test_unknown_names_inside_terms_list_the_valid_choices():
+    mask = jnp.ones((2, 3))
+    inputs = LossInputs(logp=-jnp.ones((2, 3)), old_logp=-jnp.ones((2, 3)), advantages=jnp.ones((2, 3)), mask=mask)
+    controls = Controls(jnp.float32(0.0), jnp.float32(1.0))
+    with pytest.raises(ValueError) as err:
+        kl_term(0.1, estimator="k4", target="old")(inputs, normalizers(mask), controls)
+    assert all(name in str(err.value) for name in ("k1", "k2", "k3"))
+    with pytest.raises(ValueError) as err:
+        policy_term(aggregation="mean")(inputs, normalizers(mask), controls)
+    assert all(name in str(err.value) for name in AGGREGATIONS)

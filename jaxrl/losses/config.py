@@ -148,5 +148,10 @@ class LossConfig:
                 or a.estimator in ("gtpo", "grpo_s"))
 
     @property
+    def needs_full_kl(self) -> bool:
+        """The exact KL term, for which the trainer recomputes the reference's whole distribution."""
+        return self.kl_estimator == "full" and self.kl_coef > 0 and not self.kl_in_reward
+
+    @property
     def adaptive(self) -> bool:
         return self.entropy_target is not None or self.temperature_target_entropy is not None
