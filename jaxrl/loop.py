@@ -30,6 +30,7 @@ from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
+from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
 from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, round_up, train_tokenizer
@@ -155,11 +156,13 @@ def update_controls(controls: Controls, entropy: float, config: losses.LossConfi
     return controls
 
 
-def run(config: Config, config_source: str = "", loss: Term | None = None) -> dict[str, Any]:
+def run(config: Config, config_source: str = "", loss: Term | None = None,
+        advantage_fn: AdvantageFn | None = None) -> dict[str, Any]:
     """Train the recipe end to end; writes everything under `config.output_dir`.
 
     `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
     config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
+    `advantage_fn` replaces the estimator of `config.rl.loss.advantage` (see `losses.batch.AdvantageFn`).
     """
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
@@ -202,7 +205,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None) -> di
 
         t0 = time.perf_counter()
         state, controls, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer,
-                                      checkpointer, loss)
+                                      checkpointer, loss, advantage_fn)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -238,7 +241,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None) -> di
 
 
 def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
-        loss: Term | None = None):
+        loss: Term | None = None, advantage_fn: AdvantageFn | None = None):
     rl, loss_config = config.rl, config.rl.loss
     ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
@@ -252,7 +255,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                            norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
                            critic_optimizer=critic_optimizer, full_kl=full_kl)
     logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
-    prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size))
+    prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
+                                        advantage_fn=advantage_fn))
     controls = Controls.initial(loss_config, rl.sampling.temperature)
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)

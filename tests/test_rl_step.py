@@ -110,7 +110,7 @@ TINY = [
 ]
 
 
-def _run(tmp_path, monkeypatch, *overrides, loss=None):
+def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
     """A few RL steps of the default recipe (tiny sizes) with a reward that varies inside every group;
     returns the RL records and the (before, after) parameters of every update."""
     monkeypatch.setitem(loop.REWARD_FUNCTIONS, "arithmetic", reward_fns.length_parity)
@@ -124,7 +124,7 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None):
 
     monkeypatch.setattr(loop, "rl_update", spy)
     config = load_config(Config, "configs/default.yaml", [*TINY, f"output_dir={tmp_path}", *overrides])
-    loop.run(config, loss=loss)
+    loop.run(config, loss=loss, advantage_fn=advantage_fn)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
     return records, updates
 
@@ -150,9 +150,16 @@ def test_every_preset_runs_the_default_recipe(preset, tmp_path, monkeypatch):
 
 
 def test_a_new_variant_defined_here_trains_through_the_normal_trainer(tmp_path, monkeypatch):
-    """A variant the library does not have: a soft-clipped ("tanh") surrogate with a length-weighted KL,
-    written as one objective plus one term, then trained with `loop.run(config, loss=...)`."""
+    """A variant the library does not have: a rank-based group advantage, a soft-clipped ("tanh")
+    surrogate and a squared-log-ratio penalty, written here as one estimator, one objective and one term,
+    then trained with `loop.run(config, loss=..., advantage_fn=...)`."""
     calls = []
+
+    def rank_advantage(rewards, mask, group_size, *, entropy, values, token_penalty):
+        grouped = rewards.reshape(-1, group_size)
+        ranks = jnp.argsort(jnp.argsort(grouped, axis=1), axis=1).astype(jnp.float32)  # 0 = worst
+        calls.append("advantage")
+        return (ranks / (group_size - 1) - 0.5).reshape(-1)  # [B], in [-0.5, 0.5]
 
     def tanh_surrogate(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c):
         calls.append(log_ratio.shape)
@@ -167,14 +174,15 @@ def test_a_new_variant_defined_here_trains_through_the_normal_trainer(tmp_path, 
 
     loss = losses.combine(losses.policy_term(tanh_surrogate, aggregation="token-mean", eps_high=0.3),
                           squared_log_ratio_penalty)
-    records, updates = _run(tmp_path, monkeypatch, "rl.epochs=2", loss=loss)
-    assert calls, "the custom objective was traced into the step"
+    records, updates = _run(tmp_path, monkeypatch, "rl.epochs=2", loss=loss, advantage_fn=rank_advantage)
+    assert "advantage" in calls and calls.count("advantage") < len(calls), "both pieces were traced"
     assert len(updates) == 2
     for before, after in updates:
         assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after)))
     for record in records:
         assert 0.5 < record["train/soft_ratio"] < 1.5 and record["train/sq_log_ratio"] >= 0
         assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0
+        assert 0.3 < record["batch/advantage_std"] < 0.5  # uniform ranks in [-0.5, 0.5]: std ~0.37
 
 
 DATA_PARALLEL_SCRIPT = """
