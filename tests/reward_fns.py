@@ -51,3 +51,16 @@ def length_parity(completion: str, reference: str) -> float:
     """1.0 for completions of even length: a reward with variance inside every group of samples, so that
     smoke tests see non-zero advantages even from an untrained policy."""
     return float(len(completion) % 2 == 0)
+
+
+def spin(seconds: float) -> float:
+    """Busy Python loop for `seconds` (interruptible by a signal), then returns `seconds`."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return seconds
+
+
+def crash(_: float) -> float:
+    """Kills its own process without answering."""
+    os._exit(3)

@@ -595,11 +595,20 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
         return False
 
 
-def math_verify(completion: str, reference: str) -> float:
+def math_verify(completion: str, reference: str, *, timeout: float | None = None) -> float:
     """1.0 if the extracted final answer is equivalent to ``reference``, else 0.0.
 
-    Never raises.
+    Never raises. ``timeout`` (seconds) bounds the call's wall time: past it the answer scores 0.0 (see
+    ``jaxrl.rewards.timeout``); in a ``RewardPool`` leave it None, the pool kills stuck workers itself.
     """
+    if timeout is not None:
+        from jaxrl.rewards.timeout import call_with_timeout
+
+        return call_with_timeout(_math_verify, (completion, reference), timeout, default=0.0)
+    return _math_verify(completion, reference)
+
+
+def _math_verify(completion: str, reference: str) -> float:
     try:
         answer = extract_answer(completion)
         return 1.0 if answer is not None and is_equivalent(answer, reference) else 0.0
