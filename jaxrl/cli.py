@@ -18,9 +18,14 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"jaxrl: configuration error: {e}", file=sys.stderr)
         return 2
+    from jaxrl.data.prompts import DataError
     from jaxrl.loop import run
 
-    summary = run(config, config_source=args.config or "")
+    try:
+        summary = run(config, config_source=args.config or "")
+    except DataError as e:
+        print(f"jaxrl: data error: {e}", file=sys.stderr)
+        return 2
     keys = ("accuracy_before_rl", "accuracy_after_rl", "accuracy_gain", "num_eval_problems",
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
@@ -31,7 +36,7 @@ def _train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="warm start + GRPO on a YAML recipe",
+    train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
                                 description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1.")
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value")

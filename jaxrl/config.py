@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal, get_args
 
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
+from jaxrl.data.prompts import PromptFields
 from jaxrl.advantages import NEEDS_CRITIC, Estimator
 from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
@@ -102,6 +103,33 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompt sets from local JSONL / Parquet files (see jaxrl.data.prompts). Without `train_file` the
+    built-in arithmetic task (`task`) runs. With it, RL draws prompts from `train_file`, the greedy
+    accuracy is measured on `eval_file`, and the tokenizer is trained on both files' prompts and
+    references."""
+
+    train_file: str | None = None
+    eval_file: str | None = None
+    prompt_field: str = "question"  # row field with the prompt text
+    reference_field: str = "answer"  # row field with the reference (string, number, list or dict)
+    template: str = "{prompt}"  # str.format template around the prompt
+    reference_pattern: str | None = None  # regex whose group 1 is the reference, e.g. '#### (.+)$' (GSM8K)
+    reference_from: Literal["field", "boxed"] = "field"  # boxed: the answer extracted from the field (MATH)
+    skip_bad_rows: bool = False  # skip malformed rows (counted in summary.json) instead of stopping
+
+    def prompt_fields(self) -> PromptFields:
+        return PromptFields(self.prompt_field, self.reference_field, self.template, self.reference_pattern,
+                            self.reference_from)
+
+    def validate(self) -> None:
+        if (self.train_file is None) != (self.eval_file is None):
+            raise ValueError("train_file and eval_file go together: RL prompts from one, held-out prompts for "
+                             "the greedy accuracy from the other")
+        self.prompt_fields()  # checks the template and the reference pattern
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Greedy accuracy on the held-out problems."""
 
@@ -135,11 +163,16 @@ class Config:
     sft: SFTConfig = _section(SFTConfig)
     rl: RLConfig = _section(RLConfig)
     reward: RewardConfig = _section(RewardConfig)
+    data: DataConfig = _section(DataConfig)
     eval: EvalConfig = _section(EvalConfig)
     mesh: MeshConfig = _section(MeshConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
     def validate(self) -> None:
+        if self.data.train_file is not None and self.sft.steps:
+            raise ValueError(f"sft.steps is {self.sft.steps}, but the warm start imitates the teacher of the "
+                             "built-in arithmetic task, which a prompt file (data.train_file) does not have: "
+                             "set sft.steps=0")
         if self.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) exceeds "
                              f"model.vocab_size ({self.model.vocab_size})")

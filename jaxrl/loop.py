@@ -28,6 +28,7 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
+from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
@@ -76,7 +77,7 @@ def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, ba
         rollout, completions = generate(policy, padded, jax.random.key(0), greedy)
         texts += completions[:len(chunk)]
         lengths += rollout.completion_mask[:len(chunk)].sum(1).tolist()
-    result = pool.score(texts, [str(p.answer) for p in problems])
+    result = pool.score(texts, [p.reference for p in problems])
     return {"eval/accuracy": float(result.rewards.mean()), "eval/completion_length": float(np.mean(lengths)),
             "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
             "eval/sample": texts[0]}
@@ -156,6 +157,28 @@ def update_controls(controls: Controls, entropy: float, config: losses.LossConfi
     return controls
 
 
+def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
+    """`(train, held_out, tokenizer corpus, counts)`: the built-in arithmetic task, or the prompt files of
+    `config.data`. Items have `.prompt` and `.reference`; a file that cannot be used raises `DataError`
+    naming the config field, the file, the line and the row field."""
+    data = config.data
+    if data.train_file is None:
+        train, held_out = arithmetic.make_splits(config.task, config.seed)
+        return train, held_out, arithmetic.tokenizer_corpus(train[:4000]), {}
+    loaded, counts = {}, {}
+    for name in ("train_file", "eval_file"):
+        path = getattr(data, name)
+        try:
+            loaded[name], skipped = load_prompts(path, data.prompt_fields(), skip_bad_rows=data.skip_bad_rows)
+        except (DataError, FileNotFoundError) as e:
+            raise DataError(f"data.{name}: {e}") from e
+        counts[f"data_{name.removesuffix('_file')}_rows"] = len(loaded[name])
+        counts[f"data_{name.removesuffix('_file')}_bad_rows_skipped"] = skipped
+    train = loaded["train_file"]
+    corpus = [r.prompt for r in train] + [r.reference for r in train] + [r.reference for r in loaded["eval_file"]]
+    return train, loaded["eval_file"], corpus, counts
+
+
 def run(config: Config, config_source: str = "", loss: Term | None = None,
         advantage_fn: AdvantageFn | None = None) -> dict[str, Any]:
     """Train the recipe end to end; writes everything under `config.output_dir`.
@@ -173,8 +196,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
 
     # Data and tokenizer.
     t0 = time.perf_counter()
-    train_problems, eval_problems = arithmetic.make_splits(config.task, config.seed)
-    tokenizer = train_tokenizer(arithmetic.tokenizer_corpus(train_problems[:4000]), config.tokenizer.vocab_size)
+    train_problems, eval_problems, corpus, data_totals = load_task(config)
+    tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(f"the trained tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
                          f"{config.model.vocab_size}")
@@ -227,6 +250,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         "completion_length_after_rl": after["eval/completion_length"],
         **times,
         **totals,
+        **data_totals,
         "num_parameters": models.num_parameters(config.model),
         "devices": [str(d) for d in jax.devices()],
         "seed": config.seed,
@@ -236,7 +260,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
-             title=f"RL ({config.rl.loss.preset or 'custom'} loss) on arithmetic chains (seed {config.seed})")
+             title=f"RL ({config.rl.loss.preset or 'custom'} loss) on "
+                   f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} (seed {config.seed})")
     return summary
 
 
@@ -271,7 +296,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         t0 = time.perf_counter()
         problems = next(prompts_iter)
         prompts = [p.prompt for p in problems for _ in range(rl.group_size)]
-        references = [str(p.answer) for p in problems for _ in range(rl.group_size)]
+        references = [p.reference for p in problems for _ in range(rl.group_size)]
         rollout, texts = generate(state.policy, prompts, step_key, rl.sampling, controls.temperature)
         t1 = time.perf_counter()
         batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh,
@@ -280,7 +305,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         greedy_rewards = None
         if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
             _, greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy)
-            greedy_scored = pool.score(greedy_texts, [str(p.answer) for p in problems])
+            greedy_scored = pool.score(greedy_texts, [p.reference for p in problems])
             greedy_rewards = np.repeat(greedy_scored.rewards, rl.group_size)
             record["reward/greedy_mean"] = float(greedy_scored.rewards.mean())
         t2 = time.perf_counter()

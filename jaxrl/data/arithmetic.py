@@ -48,6 +48,11 @@ class Problem:
     def answer(self) -> int:
         return self.start + sum(x if op == "+" else -x for op, x in self.steps)
 
+    @property
+    def reference(self) -> str:
+        """What the reward compares against (as `PromptRecord.reference` of a prompt file)."""
+        return str(self.answer)
+
 
 def random_problem(rng: np.random.Generator, config: ArithmeticTaskConfig) -> Problem:
     """A problem whose running total stays in `[0, max_value]`."""

@@ -29,7 +29,7 @@ import grain
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.rewards.math import extract_answer
 
-__all__ = ["PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
+__all__ = ["DataError", "PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ class PromptFields:
                 raise ValueError(f"invalid reference_pattern {self.reference_pattern!r}: {e}") from None
             if groups < 1:
                 raise ValueError(f"reference_pattern {self.reference_pattern!r} needs a capture group")
+
+
+class DataError(ValueError):
+    """A prompt file that cannot be used as configured; the message names the file, line and field."""
 
 
 class _BadRow(ValueError):
@@ -160,8 +164,8 @@ def load_prompts(
 ) -> tuple[list[PromptRecord], int]:
     """Load `(records, num_skipped)` from a `.jsonl` or `.parquet` file.
 
-    Raises FileNotFoundError for a missing file, ValueError for an unsupported suffix, for the first bad row
-    (unless `skip_bad_rows`), and when no rows load.
+    Raises FileNotFoundError for a missing file, `DataError` (a ValueError) for an unsupported suffix, for
+    the first bad row (unless `skip_bad_rows`), and when no rows load.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -172,7 +176,7 @@ def load_prompts(
     elif suffix == ".parquet":
         rows = _parquet_rows(path)
     else:
-        raise ValueError(f"unsupported prompt file {path!r}: suffix {suffix!r} is not one of "
+        raise DataError(f"unsupported prompt file {path!r}: suffix {suffix!r} is not one of "
                          f"{', '.join(SUPPORTED_SUFFIXES)}")
     records: list[PromptRecord] = []
     skipped = 0
@@ -183,14 +187,14 @@ def load_prompts(
             records.append(_to_record(row, fields, location))
         except _BadRow as e:
             if not skip_bad_rows:
-                raise ValueError(f"{location}: {e}") from None
+                raise DataError(f"{location}: {e}") from None
             if skipped < _MAX_LOGGED_BAD_ROWS:
                 logger.warning("skipping bad prompt row %s: %s", location, e)
             skipped += 1
     if skipped:
         logger.warning("skipped %d bad rows of %d in %s", skipped, skipped + len(records), path)
     if not records:
-        raise ValueError(f"no prompts loaded from {path} ({skipped} bad rows skipped)")
+        raise DataError(f"no prompts loaded from {path} ({skipped} bad rows skipped)")
     return records, skipped
 
 
