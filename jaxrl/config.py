@@ -100,6 +100,25 @@ class RewardConfig:
     # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
     # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
     batch_timeout_s: float | None = _field(None, gt=0)
+    # Shaping, composed with the verifiable reward ("correct", weight 1) by jaxrl.rewards.compose; each
+    # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
+    format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
+    format_pattern: Literal["think_answer", "answer"] = "think_answer"
+    overlong_buffer: int | None = _field(None, gt=0)  # DAPO soft overlong punishment window, tokens before
+    overlong_weight: float = _field(1.0, ge=0)        # rl.sampling.max_new_tokens (None: off)
+    length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
+    length_penalty_coef: float = _field(0.0, ge=0)
+
+    def component_weights(self) -> dict[str, float]:
+        """Name -> weight of every active reward component."""
+        weights = {"correct": 1.0}
+        if self.format_weight:
+            weights["format"] = self.format_weight
+        if self.overlong_buffer is not None:
+            weights["overlong"] = self.overlong_weight
+        if self.length_target is not None:
+            weights["length"] = 1.0  # the coefficient is inside the penalty
+        return weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +188,9 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
     def validate(self) -> None:
+        buffer, max_new = self.reward.overlong_buffer, self.rl.sampling.max_new_tokens
+        if buffer is not None and buffer > max_new:
+            raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds rl.sampling.max_new_tokens ({max_new})")
         if self.data.train_file is not None and self.sft.steps:
             raise ValueError(f"sft.steps is {self.sft.steps}, but the warm start imitates the teacher of the "
                              "built-in arithmetic task, which a prompt file (data.train_file) does not have: "

@@ -144,6 +144,23 @@ def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, s
     return state, metrics
 
 
+def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarray, config: Config
+                   ) -> rewards.ComposedRewards:
+    """The verifiable reward `correct [B]` composed with the shaping components `config.reward` enables
+    (format reward of `texts`, DAPO overlong and length penalties of the completion `lengths` in tokens)."""
+    r = config.reward
+    components = {"correct": np.asarray(correct, np.float32)}
+    if r.format_weight:
+        components["format"] = np.array([rewards.format_reward(t, pattern=r.format_pattern) for t in texts],
+                                        np.float32)
+    if r.overlong_buffer is not None:
+        components["overlong"] = rewards.dapo_overlong_penalty(lengths, config.rl.sampling.max_new_tokens,
+                                                               r.overlong_buffer)
+    if r.length_target is not None:
+        components["length"] = rewards.length_penalty(lengths, r.length_target, r.length_penalty_coef)
+    return rewards.compose(components, r.component_weights())
+
+
 def update_controls(controls: Controls, entropy: float, config: losses.LossConfig) -> Controls:
     """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy."""
     if config.entropy_target is not None:
@@ -281,7 +298,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                            critic_optimizer=critic_optimizer, full_kl=full_kl)
     logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
-                                        advantage_fn=advantage_fn))
+                                        advantage_fn=advantage_fn,
+                                        component_weights=tuple(config.reward.component_weights().values())))
     controls = Controls.initial(loss_config, rl.sampling.temperature)
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
@@ -309,14 +327,16 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             greedy_rewards = np.repeat(greedy_scored.rewards, rl.group_size)
             record["reward/greedy_mean"] = float(greedy_scored.rewards.mean())
         t2 = time.perf_counter()
-        reward_array = np.asarray(scored.rewards, np.float32)
+        composed = shaped_rewards(scored.rewards, texts, rollout.completion_mask.sum(1), config)
+        reward_array = composed.total
+        component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
         fields, prep_metrics = prepare(
             rewards=shard_batch(reward_array, generate.mesh), completion_mask=batch["completion_mask"],
             old_logp=batch["old_logp"], key=jax.random.fold_in(step_key, 1), truncated=batch["truncated"],
             entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
             values=batch.get("old_values"),
             greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, generate.mesh),
-            components=shard_batch(reward_array[:, None], generate.mesh))
+            components=shard_batch(component_array, generate.mesh))
         train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
                        if k in batch}
         train_batch.update(fields)
@@ -331,6 +351,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         totals["reward_timeouts_total"] += scored.timeouts
         totals["reward_errors_total"] += scored.errors
         record.update(scored.metrics())
+        if len(composed.components) > 1:
+            record.update(composed.metrics())
         record.update({f"train/{k}": v for k, v in metrics.items()})
         record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
         record["train/entropy_coef"] = float(controls.entropy_coef)

@@ -42,6 +42,8 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["model.num_kv_heads=3"], ["model", "num_heads (4) must be a multiple of num_kv_heads (3)"]),
         ("", ["rl.minibatches=3"], ["rl", "not divisible by minibatches x micro_batches = 3 x 1"]),
         ("", ["rl.micro_batches=3"], ["rl", "not divisible by minibatches x micro_batches = 1 x 3"]),
+        ("", ["reward.overlong_buffer=64"], ["reward.overlong_buffer (64) exceeds rl.sampling.max_new_tokens (48)"]),
+        ("", ["reward.format_pattern=xml"], ["reward.format_pattern", "'think_answer'", "'answer'"]),
         # The loss library: unknown presets and pieces list the valid choices; incompatible pieces are named.
         ("rl:\n  loss:\n    preset: grpoo\n", [], ["bad.yaml:3", "rl.loss.preset", "'grpo'", "'dr_grpo'", "'kl_cov'"]),
         ("", ["rl.loss.objective=ppo"], ["rl.loss.objective", "'ppo_clip'", "'cispo'", "'gmpo'"]),

@@ -240,3 +240,26 @@ def test_controllers_move_the_entropy_coefficient_and_temperature_and_are_checkp
     saved = ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / "checkpoints" / "3" / "state"))
     assert float(saved["controls"]["entropy_coef"]) == pytest.approx(coefs[-1])
     assert float(saved["controls"]["temperature"]) == pytest.approx(temperatures[-1])
+
+
+def test_shaped_reward_components_are_logged_and_normalised_one_by_one(tmp_path, monkeypatch):
+    """reward.* shaping composes the verifiable reward with format / overlong / length components; each is
+    logged, the total is their weighted sum, and per-component normalisation gets them all."""
+    seen = {}
+    real_prepare = losses.prepare_batch
+
+    def spy(config, **kwargs):
+        seen["components"] = kwargs["components"].shape
+        seen["weights"] = kwargs["component_weights"]
+        return real_prepare(config, **kwargs)
+
+    monkeypatch.setattr(losses, "prepare_batch", spy)
+    records, _ = _run(tmp_path, monkeypatch, "reward.format_weight=0.5", "reward.overlong_buffer=8",
+                      "reward.length_target=10", "reward.length_penalty_coef=0.1",
+                      "rl.loss.advantage.per_component=true")
+    assert seen["components"] == (16, 4) and seen["weights"] == (1.0, 0.5, 1.0, 1.0)
+    for r in records:
+        assert {"reward/correct", "reward/format", "reward/overlong", "reward/length"} <= set(r)
+        expected = r["reward/correct"] + 0.5 * r["reward/format"] + r["reward/overlong"] + r["reward/length"]
+        assert r["reward/total"] == pytest.approx(expected, abs=1e-6)
+        assert r["reward/overlong"] <= 0 and r["reward/length"] <= 0 and r["batch/advantage_std"] > 0
