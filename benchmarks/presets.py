@@ -1,9 +1,9 @@
 """Every loss preset on the default recipe: held-out greedy accuracy before/after RL and RL wall time.
 
-    python benchmarks/presets.py [--presets grpo dapo ...] [--seed 0] [key=value ...]
+    python benchmarks/presets.py [--presets grpo dapo ...] [--seed 0] [--tag NAME] [key=value ...]
 
 Each preset runs the whole default recipe (same seed, so the same warm start) with `rl.loss.preset=<name>`
-(`ppo` adds `rl.critic.model=policy_copy`); outputs go to runs/presets-<name>/. Prints one JSON line per
+(`ppo` adds `rl.critic.model=policy_copy`); outputs go to runs/presets[-<tag>]-<name>/. Prints one JSON line per
 preset and a table. The numbers in benchmarks/RESULTS.md come from this script on the 2-core CPU machine.
 """
 
@@ -26,11 +26,12 @@ def main() -> None:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="", help="suffix of the output directories")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     rows = []
     for name in args.presets:
-        out = f"runs/presets-{name}"
+        out = f"runs/presets{'-' + args.tag if args.tag else ''}-{name}"
         config = load_config(Config, args.config, [*args.overrides, f"rl.loss.preset={name}", *EXTRA.get(name, []),
                                                    f"seed={args.seed}", f"output_dir={out}", "progress=false"])
         summary = run(config, config_source=args.config)
