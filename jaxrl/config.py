@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
+from jaxrl.advantages import NEEDS_CRITIC, Estimator
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
 from jaxrl.data.prompts import PromptFields
-from jaxrl.advantages import NEEDS_CRITIC, Estimator
 from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
 from models.configs import ModelConfig
-
 
 
 def _field(default, **constraints):
@@ -104,8 +103,9 @@ class RewardConfig:
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
     format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
     format_pattern: Literal["think_answer", "answer"] = "think_answer"
-    overlong_buffer: int | None = _field(None, gt=0)  # DAPO soft overlong punishment window, tokens before
-    overlong_weight: float = _field(1.0, ge=0)        # rl.sampling.max_new_tokens (None: off)
+    # DAPO soft overlong punishment: the last `overlong_buffer` tokens before rl.sampling.max_new_tokens.
+    overlong_buffer: int | None = _field(None, gt=0)  # None: off
+    overlong_weight: float = _field(1.0, ge=0)
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
     length_penalty_coef: float = _field(0.0, ge=0)
 
