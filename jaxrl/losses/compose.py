@@ -26,7 +26,7 @@ from flax import struct
 
 from jaxrl.losses.aggregation import Normalizers, aggregate, masked_max, masked_min, token_mean
 from jaxrl.losses.config import LossConfig
-from jaxrl.losses.policy import OBJECTIVE_FUNCTIONS, RATIO_FUNCTIONS, _ratio
+from jaxrl.losses.policy import OBJECTIVE_FUNCTIONS, RATIO_FUNCTIONS, clamped_ratio
 from jaxrl.losses.regularizers import kl_estimate, kl_k3, value_loss
 
 sg = jax.lax.stop_gradient
@@ -101,7 +101,7 @@ def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token",
                                              dual_clip_c)
         weights = jnp.ones_like(mask) if inputs.token_weights is None else inputs.token_weights
         loss = aggregate(per_token * weights, mask, aggregation, norm)
-        ratio_value = _ratio(log_ratio)
+        ratio_value = clamped_ratio(log_ratio)
         metrics = {name: token_mean(value, mask, norm) for name, value in token_metrics.items()}
         metrics.update(
             policy_loss=loss,

@@ -72,7 +72,8 @@ RATIO_FUNCTIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array
 }
 
 
-def _ratio(log_ratio: jax.Array) -> jax.Array:
+def clamped_ratio(log_ratio: jax.Array) -> jax.Array:
+    """`exp(log_ratio)` with `|log_ratio|` clamped to `MAX_LOG_RATIO` (finite in float32)."""
     return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
@@ -83,7 +84,7 @@ def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=
     r < 1 - eps_low), `clip_frac_high` (A > 0 and r > 1 + eps_high), `clip_frac_dual` (A < 0 and r > c).
     """
     del logp, mask
-    ratio = _ratio(log_ratio)
+    ratio = clamped_ratio(log_ratio)
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = jnp.maximum(-ratio * advantages, -clipped * advantages)
     negative = advantages < 0
@@ -101,7 +102,7 @@ def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=
 def reinforce(log_ratio, advantages, logp=None, mask=None, eps_low=0.0, eps_high=0.0, dual_clip_c=None):
     """Unclipped importance-weighted policy gradient `-r A` (no clip metrics)."""
     del logp, mask, eps_low, eps_high, dual_clip_c
-    return -_ratio(log_ratio) * advantages, {}
+    return -clamped_ratio(log_ratio) * advantages, {}
 
 
 def cispo(log_ratio, advantages, logp, mask=None, eps_low=1.0, eps_high=0.28, dual_clip_c=None):
@@ -111,7 +112,7 @@ def cispo(log_ratio, advantages, logp, mask=None, eps_low=1.0, eps_high=0.28, du
     loss value reads like PPO's (`-w A` on policy) while the gradient is CISPO's `-w A grad(logp)`.
     """
     del mask, dual_clip_c
-    ratio = _ratio(log_ratio)
+    ratio = clamped_ratio(log_ratio)
     weight = sg(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
     loss = -weight * advantages * jnp.exp(logp - sg(logp))
     metrics = {"clip_frac_low": (ratio < 1.0 - eps_low).astype(jnp.float32),
