@@ -96,7 +96,8 @@ def completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: jax.Arr
       `(logp [B, N], entropy [B, N])` float32: position j scores `tokens[:, Lp + j]` given what precedes it.
     """
     hidden = _completion_hidden(policy, tokens, prompt_valid)
-    return token_logprobs(hidden, models.unembedding(policy), tokens[:, prompt_valid.shape[1]:], temperature)
+    return token_logprobs(hidden, models.unembedding(policy), tokens[:, prompt_valid.shape[1]:], temperature,
+                          softcap=policy.config.final_logit_softcap)
 
 
 def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:

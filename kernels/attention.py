@@ -22,13 +22,26 @@ def causal_padding_mask(query_index: jax.Array, key_valid: jax.Array) -> jax.Arr
     return causal & key_valid[:, None, :]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def sliding_window_mask(query_index: jax.Array, key_len: int, window: int) -> jax.Array:
+    """`[batch, q_len, k_len]` bool: key slot j is within the last `window` slots of query slot i
+    (`j > i - window`, transformers' `sliding_window_overlay`). Combine with `causal_padding_mask`.
+
+    Slots, not rotary positions: the batch is left-padded, so the two differ by a per-row constant.
+    """
+    key_index = jnp.arange(key_len)
+    return key_index[None, None, :] > query_index[:, :, None] - window
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
+              softcap: float | None = None) -> jax.Array:
     """Softmax attention with grouped KV heads.
 
     Args:
       q: `[batch, q_len, num_heads, head_dim]`.
       k, v: `[batch, k_len, num_kv_heads, head_dim]`; `num_heads % num_kv_heads == 0`.
       mask: `[batch, q_len, k_len]` bool; rows with no visible key yield finite (ignored) outputs.
+      scale: multiplies the scores (default `head_dim ** -0.5`).
+      softcap: scores -> `softcap * tanh(scores / softcap)` before masking (Gemma); None: off.
 
     Returns:
       `[batch, q_len, num_heads, head_dim]` in q's dtype; softmax computed in float32.
@@ -38,7 +51,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     groups = num_heads // num_kv_heads
     q = q.reshape(batch, q_len, num_kv_heads, groups, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim**-0.5)
+    scores = scores * (head_dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)

@@ -15,20 +15,24 @@ def token_logprobs(
     hidden: jax.Array,
     unembedding: jax.Array,
     targets: jax.Array,
-    temperature: float = 1.0,
+    temperature: float | jax.Array = 1.0,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of `targets` and entropy of the full distribution at every position.
 
     Args:
       hidden: `[batch, seq, hidden]` final (normed) hidden states.
-      unembedding: `[hidden, vocab]` output projection (the transposed embedding when tied).
+      unembedding: `[vocab, hidden]` output projection (the embedding table when tied).
       targets: `[batch, seq]` int token ids whose log-probs are wanted.
       temperature: logits are divided by it (log-probs under the sampling temperature).
+      softcap: logits -> `softcap * tanh(logits / softcap)` before the temperature (Gemma); None: off.
 
     Returns:
       `(logprobs [batch, seq], entropy [batch, seq])`, float32, in nats.
     """
-    logits = jnp.einsum("btd,dv->btv", hidden, unembedding, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", hidden, unembedding, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     logits = logits / temperature
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     target_logp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]

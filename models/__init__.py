@@ -1,11 +1,19 @@
-"""Policy networks and checkpoint conversion."""
+"""Policy networks and checkpoint conversion.
 
-from models.configs import PRESETS, ModelConfig, num_parameters
+    policy = models.from_pretrained("path/to/Qwen2.5-Math-1.5B")   # HF config.json + safetensors
+    logits = models.forward(policy, tokens)                        # [batch, seq, vocab] float32
+    models.save_pretrained(policy, "out/", base="path/to/Qwen2.5-Math-1.5B")
+"""
+
+from models.configs import PRESETS, ModelConfig, RopeScaling, num_parameters
+from models.hf import CheckpointError, from_pretrained, load_config, save_pretrained
 from models.transformer import (
-    KVCache, Policy, Transformer, apply, forward, init, logits_from_hidden, positions_from_mask, unembedding,
+    KVCache, Policy, Transformer, abstract, apply, forward, init, logits_from_hidden, positions_from_mask, softcap,
+    unembedding,
 )
 
 __all__ = [
-    "PRESETS", "KVCache", "ModelConfig", "Policy", "Transformer", "apply", "forward", "init",
-    "logits_from_hidden", "num_parameters", "positions_from_mask", "unembedding",
+    "PRESETS", "CheckpointError", "KVCache", "ModelConfig", "Policy", "RopeScaling", "Transformer", "abstract",
+    "apply", "forward", "from_pretrained", "init", "load_config", "logits_from_hidden", "num_parameters",
+    "positions_from_mask", "save_pretrained", "softcap", "unembedding",
 ]

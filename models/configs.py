@@ -1,19 +1,39 @@
 """Model hyper-parameters as data, and named presets.
 
-Field names follow the Hugging Face Llama/Qwen `config.json` vocabulary where one exists, so that loading
-real checkpoints later maps one-to-one.
+One `ModelConfig` describes every supported decoder: the small native models of the built-in task and the
+Hugging Face families Llama 3.x, Qwen2 / Qwen2.5, Qwen3 and Gemma 3 (text). Each family is the same
+transformer with a few switches (biases, q/k norms, Gemma's norm convention and sandwich norms, embedding
+scaling, sliding-window layers, soft-capping, RoPE scaling). `models.hf_config` maps `config.json` to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
+
+import numpy as np
+
+Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
+LayerType = Literal["full", "sliding"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`): `default` (none), `linear` or `llama3`."""
+
+    type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = dataclasses.field(default=1.0, metadata={"gt": 0})
+    low_freq_factor: float = dataclasses.field(default=1.0, metadata={"gt": 0})  # llama3 only
+    high_freq_factor: float = dataclasses.field(default=4.0, metadata={"gt": 0})  # llama3 only
+    original_max_position_embeddings: int = dataclasses.field(default=8192, metadata={"gt": 0})  # llama3 only
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer (Llama / Qwen family layout)."""
+    """A decoder-only transformer. Field names follow the HF Llama/Qwen `config.json` vocabulary."""
 
+    family: Family = "llama"  # the HF architecture `save_pretrained` writes (its conventions must match)
     vocab_size: int = dataclasses.field(default=64, metadata={"gt": 0})
     hidden_size: int = dataclasses.field(default=128, metadata={"gt": 0})
     num_layers: int = dataclasses.field(default=4, metadata={"gt": 0})
@@ -21,13 +41,26 @@ class ModelConfig:
     num_kv_heads: int = dataclasses.field(default=2, metadata={"gt": 0})
     head_dim: int = dataclasses.field(default=32, metadata={"gt": 0})
     intermediate_size: int = dataclasses.field(default=384, metadata={"gt": 0})
+    max_position_embeddings: int = dataclasses.field(default=4096, metadata={"gt": 0})
     rope_theta: float = dataclasses.field(default=10_000.0, metadata={"gt": 0})
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)  # full-attention layers
+    local_rope_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3); None: as full
     norm_eps: float = dataclasses.field(default=1e-6, metadata={"gt": 0})
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma stores weight - 1
+    post_norms: bool = False  # Gemma: also normalise the attention and MLP outputs ("sandwich" norms)
+    scale_embeddings: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
-    dtype: Literal["float32", "bfloat16"] = "float32"  # activation / compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power; None: head_dim
+    attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c)
+    final_logit_softcap: float | None = None  # logits -> c * tanh(logits / c)
+    sliding_window: int | None = None  # keys visible to a sliding layer: the last `sliding_window` slots
+    layer_types: tuple[LayerType, ...] = ()  # per layer; () means every layer is "full"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # activation / compute dtype
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -36,6 +69,43 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding layers but sliding_window is not set")
+
+    def layer_type(self, layer: int) -> LayerType:
+        return self.layer_types[layer] if self.layer_types else "full"
+
+    def inv_frequencies(self, layer: int) -> np.ndarray:
+        """RoPE inverse frequencies `[head_dim // 2]` (float32) of `layer`, as HF computes them."""
+        if self.layer_type(layer) == "sliding" and self.local_rope_theta is not None:
+            return rope_inv_frequencies(self.head_dim, self.local_rope_theta, RopeScaling())
+        return rope_inv_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    @property
+    def query_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+
+def rope_inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """`1 / theta^(2i / head_dim)`, then scaled (transformers' `modeling_rope_utils` formulas)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if scaling.type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.type == "llama3":
+        old_context = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context / scaling.low_freq_factor
+        high_freq_wavelen = old_context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -44,7 +114,7 @@ PRESETS: dict[str, ModelConfig] = {
     # The `bench-small` shape of the sampler / train-step benchmarks (Qwen2-style).
     "bench-small": ModelConfig(
         vocab_size=32_000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
-        intermediate_size=1408, rope_theta=1e6, qkv_bias=True, tie_embeddings=False,
+        intermediate_size=1408, rope_theta=1e6, qkv_bias=True, tie_embeddings=False, family="qwen2",
     ),
 }
 
@@ -55,8 +125,11 @@ def num_parameters(config: ModelConfig) -> int:
     attention = d * h * hd + 2 * d * kv * hd + h * hd * d
     if config.qkv_bias:
         attention += h * hd + 2 * kv * hd
+    if config.o_bias:
+        attention += d
     if config.qk_norm:
         attention += 2 * hd
-    layer = attention + 3 * d * config.intermediate_size + 2 * d
+    norms = (4 if config.post_norms else 2) * d
+    layer = attention + 3 * d * config.intermediate_size + norms
     embeddings = config.vocab_size * d * (1 if config.tie_embeddings else 2)
     return config.num_layers * layer + embeddings + d

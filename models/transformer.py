@@ -1,8 +1,14 @@
-"""Decoder-only transformer (Flax NNX): GQA, RoPE, RMSNorm, SwiGLU, optional qkv bias / qk-norm / tied
-embeddings.
+"""Decoder-only transformer (Flax NNX) covering the Llama 3, Qwen2/2.5, Qwen3 and Gemma 3 (text) families.
 
-The module is used functionally at every `jax.jit` boundary: `init` returns `(graphdef, params)` where
-`params` is a plain pytree of arrays, and `forward` takes them back explicitly together with an explicit
+GQA, RoPE (+ linear / llama3 scaling), RMSNorm (plain or Gemma's `1 + w`), SwiGLU / GeGLU, optional
+q/k/v(/o) biases, q/k norms, sandwich norms, scaled embeddings, sliding-window layers, soft-capping, tied
+or untied output head.
+
+Parameters mirror the Hugging Face layout exactly (names below `model.`, linear weights `[out, in]`), so a
+checkpoint loads without transposes or renames and saves back bit for bit (`models.hf`).
+
+The module is used functionally at every `jax.jit` boundary: `init` returns a `Policy` whose `params` is a
+plain pytree of arrays, and `apply` / `forward` take them back explicitly together with an explicit
 `KVCache`. Nothing is stored on the module between calls.
 """
 
@@ -14,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kernels.attention import attention, causal_padding_mask
+from kernels.attention import attention, causal_padding_mask, sliding_window_mask
 from models.configs import ModelConfig
 
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -36,11 +42,15 @@ class KVCache(NamedTuple):
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate `x [batch, seq, heads, head_dim]` by `positions [batch, seq]` (HF "rotate half" layout)."""
+def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
+    """Rotate `x [batch, seq, heads, head_dim]` by `positions [batch, seq]` (HF "rotate half" layout).
+
+    `inv_freq` `[head_dim // 2]`: the (possibly scaled) inverse frequencies, or a float RoPE base.
+    """
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, seq, half]
+    if isinstance(inv_freq, (int, float)):
+        inv_freq = 1.0 / (inv_freq ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [batch, seq, half]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -48,20 +58,60 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+def _activation(name: str):
+    return {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
+
+
+class Linear(nnx.Module):
+    """`y = x W^T (+ b)` with `weight [out, in]` (the torch layout) and matmuls in the compute dtype."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, config: ModelConfig,
+                 rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(config.dtype)
+        self.weight = nnx.Param(_INIT(rngs.params(), (out_features, in_features), jnp.dtype(config.param_dtype)))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((out_features,), jnp.dtype(config.param_dtype)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x `[..., in]` -> `[..., out]`. Callers pass 2-D `[tokens, in]`: XLA:CPU runs their weight
+        gradients much faster than those of 3-D operands."""
+        y = jax.lax.dot_general(x.astype(self.dtype), self.weight[...].astype(self.dtype),
+                                (((x.ndim - 1,), (1,)), ((), ())))
+        if hasattr(self, "bias"):
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, statistics in float32.
+
+    Llama/Qwen: `weight * normed` with `normed` cast to the compute dtype first; Gemma (`offset=1`):
+    `normed * (1 + weight)` in float32, then cast (the two conventions round differently in bf16).
+    """
+
+    def __init__(self, dim: int, config: ModelConfig):
+        self.eps, self.offset, self.dtype = config.norm_eps, config.norm_offset, jnp.dtype(config.dtype)
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - config.norm_offset, jnp.dtype(config.param_dtype)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight[...].astype(jnp.float32))).astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.config = config
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.config, self.layer = config, layer
         d, hd = config.hidden_size, config.head_dim
-        kw = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype), rngs=rngs,
-                  kernel_init=_INIT)
-        self.q_proj = nnx.Linear(d, config.num_heads * hd, use_bias=config.qkv_bias, **kw)
-        self.k_proj = nnx.Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, **kw)
-        self.v_proj = nnx.Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, **kw)
-        self.o_proj = nnx.Linear(config.num_heads * hd, d, use_bias=False, **kw)
+        self.q_proj = Linear(d, config.num_heads * hd, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.k_proj = Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.v_proj = Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * hd, d, bias=config.o_bias, config=config, rngs=rngs)
         if config.qk_norm:
-            norm_kw = dict(epsilon=config.norm_eps, param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
-            self.q_norm = nnx.RMSNorm(hd, **norm_kw)
-            self.k_norm = nnx.RMSNorm(hd, **norm_kw)
+            self.q_norm = RMSNorm(hd, config)
+            self.k_norm = RMSNorm(hd, config)
 
     def __call__(self, x, positions, mask, cache_kv, cache_index):
         """x `[batch, seq, hidden]`; cache_kv `(k, v)` of this layer `[batch, max_len, kv_heads, head_dim]`
@@ -74,82 +124,106 @@ class Attention(nnx.Module):
         v = self.v_proj(flat).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_embedding(q, positions, cfg.rope_theta)
-        k = rotary_embedding(k, positions, cfg.rope_theta)
+        inv_freq = cfg.inv_frequencies(self.layer)
+        q = rotary_embedding(q, positions, inv_freq)
+        k = rotary_embedding(k, positions, inv_freq)
         if cache_kv is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 1)
             v = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 1)
-        out = attention(q, k, v, mask).reshape(batch * seq, cfg.num_heads * cfg.head_dim)
-        return self.o_proj(out).reshape(batch, seq, -1), (k, v)
+        out = attention(q, k, v, mask, scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
+        return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), (k, v)
 
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        kw = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-                  rngs=rngs, kernel_init=_INIT)
-        self.gate_proj = nnx.Linear(d, f, **kw)
-        self.up_proj = nnx.Linear(d, f, **kw)
-        self.down_proj = nnx.Linear(f, d, **kw)
+        self.activation = config.activation
+        self.gate_proj = Linear(d, f, bias=False, config=config, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, config=config, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, config=config, rngs=rngs)
 
     def __call__(self, x):
-        # Matmuls on [tokens, features]: XLA:CPU runs the weight gradients of 2-D operands much faster.
         flat = x.reshape(-1, x.shape[-1])
-        out = self.down_proj(nnx.silu(self.gate_proj(flat)) * self.up_proj(flat))
+        out = self.down_proj(_activation(self.activation)(self.gate_proj(flat)) * self.up_proj(flat))
         return out.reshape(x.shape)
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        norm_kw = dict(epsilon=config.norm_eps, dtype=jnp.dtype(config.dtype),
-                       param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
-        self.input_norm = nnx.RMSNorm(config.hidden_size, **norm_kw)
-        self.attn = Attention(config, rngs=rngs)
-        self.post_attention_norm = nnx.RMSNorm(config.hidden_size, **norm_kw)
+    """Pre-norm residual block. HF names: `post_attention_layernorm` is the pre-MLP norm of Llama/Qwen but
+    the attention-output norm of Gemma, whose pre-MLP norm is `pre_feedforward_layernorm`."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.post_norms, self.sliding = config.post_norms, config.layer_type(layer) == "sliding"
+        d = config.hidden_size
+        self.input_layernorm = RMSNorm(d, config)
+        self.self_attn = Attention(config, layer, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, config)
+        if config.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(d, config)
+            self.post_feedforward_layernorm = RMSNorm(d, config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, mask, cache_kv, cache_index):
-        attn_out, kv = self.attn(self.input_norm(x), positions, mask, cache_kv, cache_index)
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_norm(x)), kv
+    def __call__(self, x, positions, masks, cache_kv, cache_index):
+        mask = masks["sliding" if self.sliding else "full"]
+        h, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, cache_index)
+        if self.post_norms:
+            h = self.post_attention_layernorm(h)
+            x = x + h
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Embedding(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.weight = nnx.Param(_INIT(rngs.params(), (config.vocab_size, config.hidden_size),
+                                      jnp.dtype(config.param_dtype)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """`[batch, seq]` ids -> `[batch, seq, hidden]` in the compute dtype."""
+        cfg = self.config
+        x = jnp.take(self.weight[...], tokens, axis=0)
+        if cfg.scale_embeddings:  # HF rounds sqrt(hidden) to the weights' dtype first
+            x = x * jnp.asarray(cfg.hidden_size**0.5, jnp.dtype(cfg.param_dtype))
+        return x.astype(jnp.dtype(cfg.dtype))
 
 
 class Transformer(nnx.Module):
+    """Attributes named as HF's `model.*` (and top-level `lm_head`) so checkpoints map one to one."""
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=jnp.dtype(config.dtype),
-                               param_dtype=jnp.dtype(config.param_dtype), embedding_init=_INIT, rngs=rngs)
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.final_norm = nnx.RMSNorm(config.hidden_size, epsilon=config.norm_eps,
-                                      dtype=jnp.dtype(config.dtype),
-                                      param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
+        self.embed_tokens = Embedding(config, rngs=rngs)
+        self.layers = nnx.List([Block(config, i, rngs=rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config)
         if not config.tie_embeddings:
-            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False,
-                                      dtype=jnp.dtype(config.dtype),
-                                      param_dtype=jnp.dtype(config.param_dtype), kernel_init=_INIT,
-                                      rngs=rngs)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, config=config, rngs=rngs)
 
     def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0):
-        """See `forward`."""
-        x = self.embed(tokens)
-        seq = tokens.shape[1]
-        query_index = jnp.broadcast_to(cache_index + jnp.arange(seq), tokens.shape)
-        mask = causal_padding_mask(query_index, key_valid)
+        """See `apply`."""
+        cfg = self.config
+        x = self.embed_tokens(tokens)
+        query_index = jnp.broadcast_to(cache_index + jnp.arange(tokens.shape[1]), tokens.shape)
+        masks = {"full": causal_padding_mask(query_index, key_valid)}
+        if cfg.sliding_window:
+            masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
+                                                                   cfg.sliding_window)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, (k, v) = layer(x, positions, mask, layer_cache, cache_index)
+            x, (k, v) = layer(x, positions, masks, layer_cache, cache_index)
             new_k.append(k)
             new_v.append(v)
-        hidden = self.final_norm(x)
+        hidden = self.norm(x)
         new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
         return hidden, new_cache
 
     def unembedding(self) -> jax.Array:
-        """`[hidden, vocab]` output projection."""
+        """`[vocab, hidden]` output projection (the embedding table when tied)."""
         if self.config.tie_embeddings:
-            return self.embed.embedding[...].T
-        return self.lm_head.kernel[...]
+            return self.embed_tokens.weight[...]
+        return self.lm_head.weight[...]
 
 
 # ----------------------------------------------------------------------------- functional interface
@@ -165,9 +239,16 @@ class Policy:
 
 
 def init(config: ModelConfig, seed: int | jax.Array) -> Policy:
-    """A policy with random parameters (normal, std 0.02; norms at 1)."""
+    """A policy with random parameters (normal, std 0.02; norms at scale 1)."""
     config.validate()
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(seed)), nnx.Param)
+    return Policy(graphdef, config, params)
+
+
+def abstract(config: ModelConfig) -> Policy:
+    """The policy's structure with `jax.ShapeDtypeStruct` leaves: no memory allocated."""
+    config.validate()
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     return Policy(graphdef, config, params)
 
 
@@ -196,13 +277,19 @@ def apply(
 
 
 def unembedding(policy: Policy) -> jax.Array:
-    """`[hidden, vocab]` output projection of the policy head."""
+    """`[vocab, hidden]` output projection of the policy head."""
     return nnx.merge(policy.graphdef, policy.params).unembedding()
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma's soft-capping); identity when `cap` is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def logits_from_hidden(policy: Policy, hidden: jax.Array) -> jax.Array:
     """`[batch, seq, vocab]` float32 logits from final hidden states `[batch, seq, hidden]`."""
-    return jnp.einsum("btd,dv->btv", hidden, unembedding(policy), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", hidden, unembedding(policy), preferred_element_type=jnp.float32)
+    return softcap(logits, policy.config.final_logit_softcap)
 
 
 def positions_from_mask(valid: jax.Array) -> jax.Array:

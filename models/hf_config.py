@@ -1,0 +1,231 @@
+"""Hugging Face `config.json` <-> `ModelConfig`, for both transformers 4.x and 5.x spellings.
+
+transformers 4.x writes `torch_dtype`, `rope_theta` + `rope_scaling` (and Gemma 3's `rope_local_base_freq`,
+older Gemma 3 files `sliding_window_pattern` instead of `layer_types`); 5.x writes `dtype` and
+`rope_parameters` (per layer type for Gemma 3). Both are read; keys that do not change the numerics
+(`use_cache`, `id2label`, token ids, ...) are ignored. `to_hf` writes both spellings: 4.57 ignores
+`rope_parameters` (it would silently fall back to an unscaled theta of 1e4) and 5.x prefers it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.configs import Family, ModelConfig, RopeScaling
+
+ARCHITECTURES: dict[str, tuple[Family, str]] = {  # HF model_type -> (family, architecture class)
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
+}
+_MODEL_TYPE = {family: model_type for model_type, (family, _) in ARCHITECTURES.items()}
+_TIED_BY_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "gemma3": True}
+_PLAIN = dict(norm_offset=0.0, post_norms=False, scale_embeddings=False, qk_norm=False, activation="silu")
+TRAITS: dict[str, dict[str, Any]] = {  # what each family fixes, whatever its config.json says
+    "llama": _PLAIN,
+    "qwen2": {**_PLAIN, "qkv_bias": True, "o_bias": False},
+    "qwen3": {**_PLAIN, "qk_norm": True},
+    "gemma3": dict(norm_offset=1.0, post_norms=True, scale_embeddings=True, qk_norm=True, activation="gelu_tanh"),
+}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+class ConfigError(ValueError):
+    """An unsupported or inconsistent `config.json`; the message names the file and the key."""
+
+
+def from_hf(raw: dict[str, Any], source: str = "config.json", *, dtype: str | None = None,
+            param_dtype: str | None = None) -> ModelConfig:
+    """The `ModelConfig` of an HF `config.json` dict.
+
+    `param_dtype` defaults to the checkpoint's own dtype (`dtype` / `torch_dtype`, else float32) and `dtype`
+    (the compute dtype) to `param_dtype`.
+    """
+    def get(key, default=None, *, required=False):
+        if key in raw and raw[key] is not None:
+            return raw[key]
+        if required:
+            raise ConfigError(f"{source}: missing key {key!r}")
+        return default
+
+    model_type = get("model_type", required=True)
+    if model_type not in ARCHITECTURES:
+        hint = (" (a multimodal Gemma 3 checkpoint: convert its language model to Gemma3ForCausalLM first)"
+                if model_type == "gemma3" else "")
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported{hint}; supported: "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+    family = ARCHITECTURES[model_type][0]
+    for key, value, why in (("mlp_bias", False, "biased MLP projections"),
+                            ("use_bidirectional_attention", False, "bidirectional attention"),
+                            ("pretraining_tp", 1, "tensor-parallel pretraining slices")):
+        if get(key, value) != value:
+            raise ConfigError(f"{source}: {key}={raw[key]!r} ({why}) is not supported")
+    gemma = family == "gemma3"
+    activation_key = "hidden_activation" if gemma else "hidden_act"
+    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(get(activation_key, "?"))
+    if get(activation_key) is not None and activation != TRAITS[family]["activation"]:
+        raise ConfigError(f"{source}: {activation_key}={raw[activation_key]!r} is not supported for {model_type} "
+                          f"(transformers' {model_type} uses {TRAITS[family]['activation']})")
+
+    hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
+    num_layers = get("num_hidden_layers", required=True)
+    theta, scaling, local_theta = _rope(raw, family, source)
+    window, layer_types = _sliding_layers(raw, family, num_layers, source)
+    stored = _DTYPES.get(str(get("dtype", get("torch_dtype", "float32"))), "float32")
+    param_dtype = param_dtype or stored
+    attention_bias = bool(get("attention_bias", False))
+    traits = {"qkv_bias": attention_bias, "o_bias": attention_bias, **TRAITS[family]}
+    config = ModelConfig(
+        family=family,
+        vocab_size=get("vocab_size", required=True),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=get("num_key_value_heads", heads),
+        head_dim=get("head_dim", hidden // heads),
+        intermediate_size=get("intermediate_size", required=True),
+        max_position_embeddings=get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        norm_eps=get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(get("tie_word_embeddings", _TIED_BY_DEFAULT[family])),
+        **traits,
+        query_pre_attn_scalar=get("query_pre_attn_scalar") if gemma else None,
+        # transformers' Gemma 3 stores attn_logit_softcapping but never applies it (4.57 and 5.x alike;
+        # Gemma 3 replaced it by q/k norms): ignored here too, so logits match.
+        attn_logit_softcap=None,
+        final_logit_softcap=get("final_logit_softcapping") if gemma else None,
+        sliding_window=window,
+        layer_types=layer_types,
+        dtype=dtype or param_dtype,
+        param_dtype=param_dtype,
+    )
+    try:
+        config.validate()
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return config
+
+
+def _rope_scaling(params: dict | None, source: str, key: str) -> RopeScaling:
+    if not params:
+        return RopeScaling()
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(params["factor"]))
+    if kind == "llama3":
+        try:
+            return RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                               float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise ConfigError(f"{source}: {key} of type llama3 lacks {e}") from None
+    raise ConfigError(f"{source}: {key} type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _rope(raw: dict, family: str, source: str) -> tuple[float, RopeScaling, float | None]:
+    """`(rope_theta, scaling, local_rope_theta)`; global-layer values for Gemma 3."""
+    params = raw.get("rope_parameters")
+    if params:  # transformers 5.x
+        if family == "gemma3" and "full_attention" in params:
+            full, local = params["full_attention"], params.get("sliding_attention") or {}
+            return (float(full.get("rope_theta", 1e6)), _rope_scaling(full, source, "rope_parameters.full_attention"),
+                    float(local.get("rope_theta", 10_000.0)))
+        return float(params.get("rope_theta", 10_000.0)), _rope_scaling(params, source, "rope_parameters"), None
+    theta = float(raw.get("rope_theta") or (1e6 if family == "gemma3" else 10_000.0))
+    local = float(raw.get("rope_local_base_freq") or 10_000.0) if family == "gemma3" else None
+    return theta, _rope_scaling(raw.get("rope_scaling"), source, "rope_scaling"), local
+
+
+def _sliding_layers(raw: dict, family: str, num_layers: int, source: str) -> tuple[int | None, tuple]:
+    """`(sliding_window, layer_types)`, with layer types "full" / "sliding" (() when every layer is full)."""
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if family == "llama":
+        window = None
+    if not window:
+        return None, ()
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    if raw.get("layer_types"):
+        types = raw["layer_types"]
+        if len(types) != num_layers or any(t not in names for t in types):
+            raise ConfigError(f"{source}: layer_types must list {num_layers} of {sorted(names)}, got {types!r}")
+        types = tuple(names[t] for t in types)
+    elif family == "gemma3":
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+        types = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+    else:
+        first = raw.get("max_window_layers", num_layers)
+        types = tuple("sliding" if i >= first else "full" for i in range(num_layers))
+    return (int(window), types) if "sliding" in types else (None, ())
+
+
+def to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The architecture keys of `config.json` (transformers 4.x spelling) for weights stored in `dtype`."""
+    model_type = _MODEL_TYPE[config.family]
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type][1]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling.type == "default" else _scaling_to_hf(config.rope_scaling),
+        "rope_parameters": _rope_parameters(config),
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    traits = {"qkv_bias": config.qkv_bias, "o_bias": config.qkv_bias, **TRAITS[config.family]}
+    departs = [name for name, value in traits.items() if getattr(config, name) != value]
+    if departs:
+        raise ConfigError(f"this {config.family} model departs from its family's conventions ({', '.join(departs)}):"
+                          " transformers could not load it exactly")
+    if config.family != "qwen2":
+        out["attention_bias"] = config.qkv_bias
+    if config.family == "gemma3":
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   final_logit_softcapping=config.final_logit_softcap,
+                   rope_local_base_freq=config.local_rope_theta)
+    else:
+        out["hidden_act"] = "silu"
+    if config.sliding_window:
+        out["sliding_window"] = config.sliding_window
+        out["layer_types"] = [f"{t}_attention" for t in config.layer_types]
+        if config.family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = True
+            out["max_window_layers"] = config.layer_types.index("sliding")
+    elif config.family == "gemma3":  # transformers' Gemma 3 always has a window; here no layer uses it
+        out["sliding_window"] = config.max_position_embeddings
+        out["layer_types"] = ["full_attention"] * config.num_layers
+    return out
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    """transformers 5.x `rope_parameters` (per layer type for Gemma 3)."""
+    full = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling.type != "default":
+        full.update(_scaling_to_hf(config.rope_scaling))
+    if config.family != "gemma3":
+        return full
+    local = {"rope_type": "default", "rope_theta": config.local_rope_theta or config.rope_theta}
+    return {"full_attention": full, "sliding_attention": local}
+
+
+def _scaling_to_hf(scaling: RopeScaling) -> dict[str, Any]:
+    if scaling.type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
