@@ -1,10 +1,13 @@
 """The sentencepiece tokenizer of the built-in task and the batch layouts built from it."""
 
+import json
+
 import numpy as np
 import pytest
 
 from jaxrl.data import arithmetic
-from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, train_tokenizer
+from jaxrl.tokenizer import (SentencePieceTokenizer, Tokenizer, TokenizerError, encode_examples, encode_prompt,
+                             encode_prompts, load_tokenizer, train_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,46 @@ def test_layouts(tokenizer):
     full, prompt_valid, mask = encode_examples(tokenizer, ["1+2="], ["1+2=3 #### 3"], 8, 16)
     assert full.shape == (1, 24) and mask.sum() == len(tokenizer.encode("1+2=3 #### 3")) + 1
     assert full[0, 8 + mask.sum() - 1] == tokenizer.eos_id
+
+
+def test_common_interface(tokenizer):
+    assert Tokenizer is SentencePieceTokenizer
+    assert tokenizer.stop_ids == (tokenizer.eos_id,) and tokenizer.chat_template is None
+    assert tokenizer.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                                        "unk_token": "<unk>"}
+    ids = tokenizer.encode("1+2=")
+    assert tokenizer.add_bos_token and tokenizer.encode("1+2=", add_special_tokens=True) == [tokenizer.bos_id, *ids]
+    assert encode_prompt(tokenizer, "1+2=", templated=False) == [tokenizer.bos_id, *ids]  # as before: BOS + text
+    assert encode_prompt(tokenizer, "1+2=", templated=True) == ids
+    assert tokenizer.encode("<s>1+2=</s>") == [tokenizer.bos_id, *ids, tokenizer.eos_id]  # control pieces in text
+
+
+def test_model_directory(tokenizer, tmp_path):
+    tokenizer.save(tmp_path / "tokenizer.model")
+    assert load_tokenizer(tmp_path / "tokenizer.model").model_proto == tokenizer.model_proto
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": None, "chat_template": template}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, SentencePieceTokenizer) and tok.chat_template == template
+    assert tok.pad_id == tok.eos_id == 3 and tok.stop_ids == (3, 7)  # no pad token: EOS pads
+    assert tok.decode([*tok.encode("12"), 7, *tok.encode("34")]) == "12"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "1+2="}])
+    assert rendered == "<s>1+2="
+    assert encode_prompt(tok, rendered, templated=True) == encode_prompt(tok, "1+2=", templated=False)
+    templated, _ = encode_prompts(tok, [rendered], 8, templated=True)
+    assert (templated == encode_prompts(tok, ["1+2="], 8)[0]).all()
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    assert encode_prompt(load_tokenizer(tmp_path), "1+2=", templated=False) == tokenizer.encode("1+2=")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: bos_token '<bos>' is not in the vocab"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "tokenizer.model").write_bytes(b"garbage")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.model: not a sentencepiece model"):
+        load_tokenizer(tmp_path)
 
 
 def test_held_out_problems_never_in_training_split():
