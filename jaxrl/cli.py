@@ -1,4 +1,4 @@
-"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`."""
+"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl convert SRC DST [options]`."""
 
 from __future__ import annotations
 
@@ -20,16 +20,40 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import run
+    from jaxrl.tokenizer import ChatTemplateError, TokenizerError
+    from models.hf import CheckpointError
 
     try:
         summary = run(config, config_source=args.config or "")
     except DataError as e:
         print(f"jaxrl: data error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"jaxrl: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except (TokenizerError, ChatTemplateError) as e:
+        print(f"jaxrl: tokenizer error: {e}", file=sys.stderr)
+        return 2
     keys = ("accuracy_before_rl", "accuracy_after_rl", "accuracy_gain", "num_eval_problems",
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
     print(f"outputs in {config.output_dir}/ (summary.json, metrics.jsonl, reward_accuracy.png, checkpoints/)")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxrl.convert import convert, parse_size  # heavy imports (jax, orbax) only once the arguments parse
+    from models.hf import CheckpointError
+    from models.hf_config import ConfigError as HFConfigError
+
+    try:
+        max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)
+        result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, base=args.base,
+                         max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty())
+    except (CheckpointError, ConfigError, HFConfigError, OSError, ValueError) as e:
+        print(f"jaxrl: convert error: {e}", file=sys.stderr)
+        return 2
+    print(result.summary())
     return 0
 
 
@@ -41,6 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(handler=_train)
+    convert = commands.add_parser(
+        "convert", help="convert checkpoints: Hugging Face <-> orbax policy checkpoint, run -> Hugging Face",
+        description="Convert a checkpoint. SRC: a Hugging Face directory (config.json + safetensors), a policy "
+                    "checkpoint (model.json + params/), a run directory (its latest checkpoint) or one of its "
+                    "checkpoints/<step> directories. By default an HF source becomes a policy checkpoint and "
+                    "anything else an HF directory.")
+    convert.add_argument("src", help="checkpoint to read")
+    convert.add_argument("dst", help="directory to write (must not exist or be empty, unless --overwrite)")
+    convert.add_argument("--to", choices=("hf", "orbax"), help="output format (default: orbax for an HF "
+                         "source, hf otherwise)")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                         help="parameter dtype of the output (default: the source's)")
+    convert.add_argument("--base", metavar="HF_DIR", help="the original HF directory: its tokenizer, generation "
+                         "config and token ids are carried over (default: the source when it is an HF directory, "
+                         "what a policy checkpoint kept from one; nothing for a run)")
+    convert.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file, e.g. 500MB, 5GB, "
+                         "2GiB or bytes (default: 5GiB)")
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    convert.set_defaults(handler=_convert)
     return parser
 
 
