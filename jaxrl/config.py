@@ -25,8 +25,22 @@ def _section(cls, **kwargs):
 
 
 @dataclasses.dataclass(frozen=True)
+class PretrainedConfig:
+    """Start from a checkpoint instead of a randomly initialised `model` (whose fields are then ignored)."""
+
+    path: str | None = None  # a Hugging Face directory (config.json + *.safetensors) or a jaxrl policy checkpoint
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # parameters; None: the checkpoint's own
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # activations; None: as dtype
+    export_hf: bool = True  # write the trained policy as a Hugging Face directory to <output_dir>/hf
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
+    """Without `path`, a sentencepiece model of `vocab_size` pieces is trained on the task's text."""
+
+    path: str | None = None  # tokenizer.json / tokenizer.model (or their directory); default: pretrained.path
     vocab_size: int = _field(32, gt=4)  # sentencepiece vocabulary trained for the built-in task
+    stop_tokens: tuple[str, ...] = ()  # extra strings that end a completion (besides EOS / end-of-turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +150,8 @@ class DataConfig:
     reference_pattern: str | None = None  # regex whose group 1 is the reference, e.g. '#### (.+)$' (GSM8K)
     reference_from: Literal["field", "boxed"] = "field"  # boxed: the answer extracted from the field (MATH)
     skip_bad_rows: bool = False  # skip malformed rows (counted in summary.json) instead of stopping
+    chat_template: bool = False  # wrap each templated prompt as a user turn with the tokenizer's chat template
+    system_prompt: str | None = None  # a system turn before it (chat_template only)
 
     def prompt_fields(self) -> PromptFields:
         return PromptFields(self.prompt_field, self.reference_field, self.template, self.reference_pattern,
@@ -177,6 +193,7 @@ class Config:
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     model: ModelConfig = _section(ModelConfig)
+    pretrained: PretrainedConfig = _section(PretrainedConfig)
     tokenizer: TokenizerConfig = _section(TokenizerConfig)
     task: ArithmeticTaskConfig = _section(ArithmeticTaskConfig)
     sft: SFTConfig = _section(SFTConfig)
@@ -195,6 +212,11 @@ class Config:
             raise ValueError(f"sft.steps is {self.sft.steps}, but the warm start imitates the teacher of the "
                              "built-in arithmetic task, which a prompt file (data.train_file) does not have: "
                              "set sft.steps=0")
-        if self.tokenizer.vocab_size > self.model.vocab_size:
+        if self.data.system_prompt is not None and not self.data.chat_template:
+            raise ValueError("data.system_prompt needs data.chat_template: true")
+        if self.pretrained.path is None and (self.tokenizer.path is not None or self.data.chat_template):
+            raise ValueError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
+                             "model uses the sentencepiece tokenizer trained for it")
+        if self.pretrained.path is None and self.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) exceeds "
                              f"model.vocab_size ({self.model.vocab_size})")

@@ -26,6 +26,7 @@ import models
 from jaxrl import configlib, losses, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
+from jaxrl.convert import describe_source, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.data.prompts import DataError, load_prompts
@@ -34,9 +35,11 @@ from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
-from jaxrl.tokenizer import Tokenizer, encode_examples, encode_prompts, round_up, train_tokenizer
+from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, encode_prompts, load_tokenizer, round_up,
+                             train_tokenizer)
 from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
+from models.hf import CheckpointError
 
 log = logging.getLogger("jaxrl")
 
@@ -50,17 +53,34 @@ def optimizer_from(config: OptimConfig):
 
 @dataclasses.dataclass
 class Generator:
-    """Host-side wrapper around the jitted sampler: text prompts in, rollouts and texts out."""
+    """Host-side wrapper around the jitted sampler: text prompts in, rollouts and texts out.
 
-    tokenizer: Tokenizer
+    With `chat_template`, each prompt becomes the user turn (after an optional system turn) of the
+    tokenizer's chat template, ending with the assistant's generation prompt.
+    """
+
+    tokenizer: BaseTokenizer
     prompt_length: int  # static padded prompt length: one compiled program per batch size
     mesh: jax.sharding.Mesh
+    chat_template: bool = False
+    system_prompt: str | None = None
+
+    def render(self, prompt: str) -> str:
+        """The text the model sees for a task prompt."""
+        if not self.chat_template:
+            return prompt
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        return self.tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}])
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tokenizer, self.render(prompt), templated=self.chat_template)
 
     def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
                  temperature=None) -> tuple[Rollout, list[str]]:
-        tokens, valid = encode_prompts(self.tokenizer, prompts, self.prompt_length)
+        tokens, valid = encode_prompts(self.tokenizer, [self.render(p) for p in prompts], self.prompt_length,
+                                       templated=self.chat_template)
         tokens, valid = shard_batch((tokens, valid), self.mesh)
-        rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.eos_id,
+        rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids,
                                         self.tokenizer.pad_id, temperature))
         texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
         return rollout, texts
@@ -83,8 +103,7 @@ def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, ba
             "eval/sample": texts[0]}
 
 
-def warm_start(policy, config: Config, tokenizer, train_problems, prompt_length, mesh,
-               writer: MetricsWriter) -> TrainState:
+def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
     """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`)."""
     optimizer = optimizer_from(config.sft.optim)
     state = init_train_state(policy, optimizer)
@@ -93,8 +112,11 @@ def warm_start(policy, config: Config, tokenizer, train_problems, prompt_length,
     bar = tqdm(range(config.sft.steps), desc="warm start", disable=not config.progress, dynamic_ncols=True)
     for step in bar:
         prompts, solutions = zip(*(next(examples) for _ in range(config.sft.batch_size)))
-        tokens, prompt_valid, mask = encode_examples(tokenizer, prompts, solutions, prompt_length)
-        batch = shard_batch({"tokens": tokens, "prompt_valid": prompt_valid, "completion_mask": mask}, mesh)
+        tokens, prompt_valid, mask = encode_examples(generate.tokenizer, [generate.render(p) for p in prompts],
+                                                     solutions, generate.prompt_length,
+                                                     templated=generate.chat_template)
+        batch = shard_batch({"tokens": tokens, "prompt_valid": prompt_valid, "completion_mask": mask},
+                            generate.mesh)
         state, metrics = step_fn(state, batch)
         if step % 25 == 0 or step == config.sft.steps - 1:
             metrics = jax.device_get(metrics)
@@ -184,7 +206,7 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
         return train, held_out, arithmetic.tokenizer_corpus(train[:4000]), {}
     loaded, counts = {}, {}
     for name in ("train_file", "eval_file"):
-        path = getattr(data, name)
+        path = os.path.expanduser(getattr(data, name))
         try:
             loaded[name], skipped = load_prompts(path, data.prompt_fields(), skip_bad_rows=data.skip_bad_rows)
         except (DataError, FileNotFoundError) as e:
@@ -214,17 +236,15 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     # Data and tokenizer.
     t0 = time.perf_counter()
     train_problems, eval_problems, corpus, data_totals = load_task(config)
-    tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"the trained tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size is "
-                         f"{config.model.vocab_size}")
-    tokenizer.save(os.path.join(out, "tokenizer.model"))
-    prompt_length = round_up(1 + max(len(tokenizer.encode(p.prompt)) for p in train_problems + eval_problems), 8)
-    times["data_time_s"] = time.perf_counter() - t0
-
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    policy = replicate(models.init(config.model, config.seed), mesh)
-    generate = Generator(tokenizer, prompt_length, mesh)
+    policy, tokenizer = _policy_and_tokenizer(config, corpus, mesh)
+    if tokenizer.vocab_size > policy.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{policy.config.vocab_size} embeddings")
+    generate = Generator(tokenizer, 0, mesh, config.data.chat_template, config.data.system_prompt)
+    generate.prompt_length = round_up(max(len(generate.prompt_tokens(p.prompt))
+                                          for p in train_problems + eval_problems), 8)
+    times["data_time_s"] = time.perf_counter() - t0
     reward_fn = REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
@@ -234,7 +254,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
         t0 = time.perf_counter()
-        state = warm_start(policy, config, tokenizer, train_problems, prompt_length, mesh, writer)
+        state = warm_start(policy, config, generate, train_problems, writer)
         times["sft_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -256,6 +276,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     checkpointer.save(config.rl.steps, _checkpoint_state(state, controls),
                       {"phase": "done", "rl_step": config.rl.steps})
     checkpointer.close()
+    if config.pretrained.path is not None and config.pretrained.export_hf:
+        models.save_pretrained(state.policy, os.path.join(out, "hf"), base=_hf_files(config.pretrained.path),
+                               progress=config.progress)
     times["total_wall_time_s"] = time.perf_counter() - wall_start
 
     summary = {
@@ -268,7 +291,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         **times,
         **totals,
         **data_totals,
-        "num_parameters": models.num_parameters(config.model),
+        "num_parameters": models.num_parameters(state.policy.config),
         "devices": [str(d) for d in jax.devices()],
         "seed": config.seed,
         "config_source": config_source,
@@ -280,6 +303,37 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
              title=f"RL ({config.rl.loss.preset or 'custom'} loss) on "
                    f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} (seed {config.seed})")
     return summary
+
+
+def _policy_and_tokenizer(config: Config, corpus: list[str], mesh) -> tuple[models.Policy, BaseTokenizer]:
+    """The pretrained checkpoint and its tokenizer, or a fresh `config.model` and a sentencepiece tokenizer
+    trained on the task's text (saved next to the run's outputs)."""
+    if config.pretrained.path is None:
+        tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
+        tokenizer.save(os.path.join(config.output_dir, "tokenizer.model"))
+        return replicate(models.init(config.model, config.seed), mesh), tokenizer
+    pretrained = config.pretrained
+    try:
+        policy = load_policy(pretrained.path, dtype=pretrained.dtype, compute_dtype=pretrained.compute_dtype,
+                             mesh=mesh, progress=config.progress)
+    except CheckpointError as e:
+        raise CheckpointError(f"pretrained.path: {e}") from None
+    tokenizer_path = config.tokenizer.path or _hf_files(pretrained.path)
+    if tokenizer_path is None:
+        raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")
+    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), stop_tokens=config.tokenizer.stop_tokens)
+    log.info("loaded %s (%s, %.1fM parameters) and its tokenizer (%d tokens, stop ids %s)", pretrained.path,
+             policy.config.family, models.num_parameters(policy.config) / 1e6, tokenizer.vocab_size,
+             tokenizer.stop_ids)
+    return policy, tokenizer
+
+
+def _hf_files(path: str) -> str | None:
+    """The directory with the tokenizer and HF config files of a checkpoint: an HF directory itself, the
+    `hf_files/` a policy checkpoint kept from one; None for a run."""
+    source = describe_source(path)
+    files = {"hf": source.directory, "policy": os.path.join(source.directory, "hf_files")}.get(source.kind)
+    return files if files is not None and os.path.isdir(files) else None
 
 
 def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,

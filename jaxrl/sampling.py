@@ -91,7 +91,7 @@ def sample(
     prompt_valid: jax.Array,
     rng: jax.Array,
     config: SamplingConfig,
-    eos_id: int,
+    eos_id: int | tuple[int, ...],
     pad_id: int,
     temperature: jax.Array | None = None,
 ) -> Rollout:
@@ -103,10 +103,13 @@ def sample(
       prompt_valid: `[B, Lp]` bool, False on padding.
       rng: PRNG key; the same key gives the same rollout.
       config: static sampling settings.
-      eos_id, pad_id: token ids (static).
+      eos_id: the id, or a tuple of ids, that end a completion (static; e.g. `tokenizer.stop_ids`: EOS and
+        end-of-turn tokens). The stop token itself is part of the completion.
+      pad_id: token id written after a completion ends (static).
       temperature: optional traced scalar overriding `config.temperature` (> 0) without recompiling, for
         temperature controllers; ignored for greedy configs.
     """
+    stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
     batch, prompt_len = prompt_tokens.shape
     max_new = config.max_new_tokens
     key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, max_new), bool)], axis=1)
@@ -128,7 +131,7 @@ def sample(
         tokens = tokens.at[:, step].set(token)
         logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
         mask = mask.at[:, step].set(~done)
-        done = done | (token == eos_id)
+        done = done | jnp.isin(token, stop_ids)
         hidden, cache = models.apply(
             policy, token[:, None], (next_position + step)[:, None], key_valid, cache, prompt_len + step
         )
