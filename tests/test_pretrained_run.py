@@ -13,11 +13,13 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 
 import models
-from jaxrl import cli, loop
+from jaxrl import cli, configlib, loop
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
 from jaxrl.data import arithmetic
 from jaxrl.tokenizer import load_tokenizer
+from test_hf_tokenizer import CHATML as CHATML_WITH_SYSTEM
+from test_hf_tokenizer import GEMMA, GEMMA_SPECIALS, LLAMA3, LLAMA_SPECIALS, QWEN_SPECIALS
 
 FIXTURE = "tests/data/hf/transformers5/qwen2"  # vocab 128, tied, q/k/v biases
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -118,3 +120,72 @@ def test_every_recipe_parses(recipe):
     if recipe != "configs/default.yaml":  # the real-model recipes: a checkpoint, prompt files, RL from it
         assert config.pretrained.path and config.data.train_file and config.data.chat_template
         assert config.sft.steps == 0 and config.reward.function == "math"
+
+
+def test_run_from_a_converted_policy_checkpoint(pretrained_run):
+    """An orbax policy checkpoint (`jaxrl convert`) starts a run too: its kept HF files give the tokenizer."""
+    tmp, config, _ = pretrained_run
+    assert cli.main(["convert", str(tmp / "qwen"), str(tmp / "qwen-orbax")]) == 0
+    run = tmp / "run-from-orbax"
+    summary = loop.run(configlib.replace_path(configlib.replace_path(
+        configlib.replace_path(config, "pretrained.path", str(tmp / "qwen-orbax")), "rl.steps", 1),
+        "output_dir", str(run)))
+    assert summary["num_parameters"] == models.num_parameters(models.load_config(tmp / "qwen"))
+    assert (run / "hf" / "tokenizer.json").exists() and models.from_pretrained(run / "hf", progress=False)
+
+
+# ----------------------------------------------------------------------------- the real-model recipes, in small
+
+RECIPE_FIXTURES = {  # recipe -> (fixture checkpoint of its family, special tokens, chat template, tokenizer config)
+    "configs/qwen2.5-math-1.5b-gsm8k.yaml": ("qwen2", QWEN_SPECIALS, CHATML_WITH_SYSTEM,
+                                             {"eos_token": "<|endoftext|>", "bos_token": None}),
+    "configs/qwen3-1.7b-math.yaml": ("qwen3", QWEN_SPECIALS, CHATML,
+                                     {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}),
+    "configs/llama3.2-1b-instruct-gsm8k.yaml": ("llama3_bf16", LLAMA_SPECIALS, LLAMA3,
+                                                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "configs/gemma3-1b-it-gsm8k.yaml": ("gemma3", GEMMA_SPECIALS, GEMMA,
+                                        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}),
+}
+
+
+def _family_checkpoint(directory, fixture, specials, template, tokenizer_config):
+    """A fixture checkpoint of the recipe's family with a < 128-token tokenizer of that family's kind."""
+    shutil.copytree(f"tests/data/hf/transformers5/{fixture}", directory)
+    tok = RawTokenizer(tok_models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = [p.prompt + " " + arithmetic.solution(p) for p in
+              arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=100, num_eval=8), 0)[0]]
+    corpus += ["Please reason step by step, and put your final answer within boxed", "Think then give the answer",
+               "user assistant model system"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=100, special_tokens=[*specials, "<unk>"] if "<unk>" not in specials else specials,
+        show_progress=False))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_FIXTURES))
+def test_recipe_runs_on_a_tiny_checkpoint_of_its_family(recipe, tmp_path):
+    """Each real-model recipe, unchanged but for paths and sizes: float32 master weights, bfloat16 compute,
+    its chat template and data schema, one RL step, the HF export."""
+    fixture, specials, template, tokenizer_config = RECIPE_FIXTURES[recipe]
+    _family_checkpoint(tmp_path / "model", fixture, specials, template, tokenizer_config)
+    train, held_out = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=8, num_eval=4), seed=0)
+    math_rows = "gsm8k" not in recipe  # MATH-style rows: problem + a solution with a boxed answer
+    for name, rows in (("train", train), ("eval", held_out)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(
+            {"problem": p.prompt, "solution": f"so \\boxed{{{p.answer}}}"} if math_rows else
+            {"question": p.prompt, "answer": arithmetic.solution(p)}) + "\n" for p in rows))
+    config = load_config(Config, recipe, [
+        f"pretrained.path={tmp_path / 'model'}", f"data.train_file={tmp_path / 'train.jsonl'}",
+        f"data.eval_file={tmp_path / 'eval.jsonl'}", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
+        "rl.micro_batches=2", "rl.sampling.max_new_tokens=8", "reward.overlong_buffer=4", "reward.num_workers=1",
+        "eval.every=0", "eval.batch_size=4", "checkpoint.every=0", "progress=false",
+        f"output_dir={tmp_path / 'run'}"])
+    assert (config.pretrained.dtype, config.pretrained.compute_dtype) == ("float32", "bfloat16")
+    summary = loop.run(config)
+    assert summary["num_eval_problems"] == 4 and np.isfinite(summary["accuracy_after_rl"])
+    exported = models.from_pretrained(tmp_path / "run" / "hf", progress=False)
+    assert exported.config.family == models.load_config(tmp_path / "model").family
+    assert {x.dtype for x in jax.tree.leaves(exported.params)} == {np.dtype("float32")}
