@@ -65,6 +65,14 @@ class Generator:
     chat_template: bool = False
     system_prompt: str | None = None
 
+    @classmethod
+    def fitting(cls, prompts: Sequence[str], tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
+                system_prompt: str | None = None) -> "Generator":
+        """A generator whose padded prompt length (a multiple of 8) fits every one of `prompts`."""
+        generate = cls(tokenizer, 0, mesh, chat_template, system_prompt)
+        return dataclasses.replace(generate, prompt_length=round_up(max(map(len, map(generate.prompt_tokens,
+                                                                                      prompts))), 8))
+
     def render(self, prompt: str) -> str:
         """The text the model sees for a task prompt."""
         if not self.chat_template:
@@ -233,7 +241,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(configlib.dump_yaml(config))
 
-    # Data and tokenizer.
+    # Data, policy and tokenizer.
     t0 = time.perf_counter()
     train_problems, eval_problems, corpus, data_totals = load_task(config)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -241,9 +249,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
-    generate = Generator(tokenizer, 0, mesh, config.data.chat_template, config.data.system_prompt)
-    generate.prompt_length = round_up(max(len(generate.prompt_tokens(p.prompt))
-                                          for p in train_problems + eval_problems), 8)
+    generate = Generator.fitting([p.prompt for p in train_problems + eval_problems], tokenizer, mesh,
+                                 config.data.chat_template, config.data.system_prompt)
     times["data_time_s"] = time.perf_counter() - t0
     reward_fn = REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens
