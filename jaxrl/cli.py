@@ -1,4 +1,5 @@
-"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl convert SRC DST [options]`."""
+"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl convert SRC DST [options]`,
+`jaxrl bench sample [options]`."""
 
 from __future__ import annotations
 
@@ -57,7 +58,14 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sample(args: argparse.Namespace) -> int:
+    from jaxrl.bench import run_sample  # jax is imported when the benchmark runs
+
+    return run_sample(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from jaxrl.bench import add_sample_arguments  # standard library only at import
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
@@ -84,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "2GiB or bytes (default: 5GiB)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     convert.set_defaults(handler=_convert)
+    bench = commands.add_parser("bench", help="benchmarks (random weights, fixed workloads)",
+                                description="Benchmarks on random weights; each prints one JSON line, then a table.")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
+    sample = benchmarks.add_parser(
+        "sample", help="sampler throughput, time to first token, compile time, peak memory",
+        description="Time the jitted sampler: P prompts x G samples, exactly N new tokens each (EOS ignored), "
+                    "temperature 1, no top-k/top-p. With prefix sharing each prompt is prefilled once "
+                    "(group_size=G); --no-prefix-sharing repeats every prompt G times (the baseline).")
+    add_sample_arguments(sample)
+    sample.set_defaults(handler=_bench_sample)
     return parser
 
 

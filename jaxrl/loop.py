@@ -33,7 +33,7 @@ from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
-from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, sample
+from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
 from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, encode_prompts, load_tokenizer, round_up,
                              train_tokenizer)
@@ -84,12 +84,16 @@ class Generator:
         return encode_prompt(self.tokenizer, self.render(prompt), templated=self.chat_template)
 
     def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
-                 temperature=None) -> tuple[Rollout, list[str]]:
+                 temperature=None, group_size: int = 1) -> tuple[Rollout, list[str]]:
+        """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once)."""
         tokens, valid = encode_prompts(self.tokenizer, [self.render(p) for p in prompts], self.prompt_length,
                                        templated=self.chat_template)
+        parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if len(prompts) % parallel:  # the distinct prompts do not split over the mesh: share nothing
+            tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
         tokens, valid = shard_batch((tokens, valid), self.mesh)
         rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids,
-                                        self.tokenizer.pad_id, temperature))
+                                        self.tokenizer.pad_id, temperature, group_size=group_size))
         texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
         return rollout, texts
 
@@ -374,9 +378,9 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         step_key = jax.random.fold_in(rl_key, step)
         t0 = time.perf_counter()
         problems = next(prompts_iter)
-        prompts = [p.prompt for p in problems for _ in range(rl.group_size)]
         references = [p.reference for p in problems for _ in range(rl.group_size)]
-        rollout, texts = generate(state.policy, prompts, step_key, rl.sampling, controls.temperature)
+        rollout, texts = generate(state.policy, [p.prompt for p in problems], step_key, rl.sampling,
+                                  controls.temperature, group_size=rl.group_size)
         t1 = time.perf_counter()
         batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh,
                               ref_policy)
@@ -421,6 +425,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         record["train/completion_length"] = float(rollout.completion_mask.sum(1).mean())
         record["train/truncated_frac"] = float((rollout.finish_reason == FINISH_LENGTH).mean())
         record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
+        record["sampler/compiled_programs"] = compiled_programs()
         if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
             record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
             last_accuracy = record["eval/accuracy"]

@@ -1,8 +1,10 @@
 """Jitted autoregressive sampling over an explicit KV cache.
 
 One call = one prefill of the (left-padded) prompts followed by a `lax.while_loop` decode that stops when
-every sequence has emitted EOS or `max_new_tokens` tokens exist. Everything that crosses the jit boundary
-is an explicit pytree (policy params, prompts, RNG key); the cache lives in the loop carry.
+every sequence has emitted a stop token or `max_new_tokens` tokens exist. With `group_size=G`, each distinct
+prompt is prefilled once and its KV cache broadcast to its G samples (GRPO's group), instead of prefilling
+G identical copies. Everything that crosses the jit boundary is an explicit pytree (policy params, prompts,
+RNG key); the cache lives in the loop carry. Bad inputs are rejected on the host before anything compiles.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import models
 from models import KVCache, Policy
@@ -28,6 +31,19 @@ class SamplingConfig:
     temperature: float = dataclasses.field(default=1.0, metadata={"ge": 0})
     top_k: int = dataclasses.field(default=0, metadata={"ge": 0})  # 0: off
     top_p: float = dataclasses.field(default=1.0, metadata={"gt": 0, "le": 1})  # 1.0: off
+    min_p: float = dataclasses.field(default=0.0, metadata={"ge": 0, "lt": 1})  # 0.0: off
+    # Also return each sampled token's log-prob under the unmodified policy (temperature 1, no filters),
+    # for importance-sampling corrections between the sampling and the training distribution.
+    policy_logp: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
+            raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1 and top_k >= 0, got top_p={self.top_p}, "
+                             f"min_p={self.min_p}, top_k={self.top_k}")
 
 
 class Rollout(NamedTuple):
@@ -38,6 +54,7 @@ class Rollout(NamedTuple):
     completion_mask: `[B, N]` bool, True on generated tokens up to and including EOS.
     sampler_logp: `[B, N]` float32 log-prob of each sampled token under the sampling distribution.
     finish_reason: `[B]` int, FINISH_EOS or FINISH_LENGTH.
+    policy_logp: `[B, N]` float32 log-prob under the unmodified policy (`SamplingConfig.policy_logp`), or None.
     """
 
     tokens: jax.Array
@@ -45,6 +62,7 @@ class Rollout(NamedTuple):
     completion_mask: jax.Array
     sampler_logp: jax.Array
     finish_reason: jax.Array
+    policy_logp: jax.Array | None = None
 
     @property
     def completion_tokens(self) -> jax.Array:
@@ -68,6 +86,9 @@ def filter_logits(logits: jax.Array, config: SamplingConfig, temperature: jax.Ar
         keep = mass_before < config.top_p  # the most likely token is always kept
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    if config.min_p > 0.0:  # keep tokens at least min_p times as likely as the most likely one
+        threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(config.min_p)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
     return logits
 
 
@@ -84,7 +105,6 @@ def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
     return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id"))
 def sample(
     policy: Policy,
     prompt_tokens: jax.Array,
@@ -94,13 +114,15 @@ def sample(
     eos_id: int | tuple[int, ...],
     pad_id: int,
     temperature: jax.Array | None = None,
+    *,
+    group_size: int = 1,
 ) -> Rollout:
-    """Sample one completion per prompt row.
+    """Sample `group_size` completions per prompt row.
 
     Args:
       policy: the policy pytree.
-      prompt_tokens: `[B, Lp]` int, left-padded (the last column is every prompt's last token).
-      prompt_valid: `[B, Lp]` bool, False on padding.
+      prompt_tokens: `[P, Lp]` int, left-padded (the last column is every prompt's last token).
+      prompt_valid: `[P, Lp]` bool, False on padding.
       rng: PRNG key; the same key gives the same rollout.
       config: static sampling settings.
       eos_id: the id, or a tuple of ids, that end a completion (static; e.g. `tokenizer.stop_ids`: EOS and
@@ -108,16 +130,68 @@ def sample(
       pad_id: token id written after a completion ends (static).
       temperature: optional traced scalar overriding `config.temperature` (> 0) without recompiling, for
         temperature controllers; ignored for greedy configs.
-    """
-    stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
-    batch, prompt_len = prompt_tokens.shape
-    max_new = config.max_new_tokens
-    key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, max_new), bool)], axis=1)
-    positions = models.positions_from_mask(prompt_valid)
-    cache = KVCache.zeros(policy.config, batch, prompt_len + max_new)
+      group_size: samples per prompt (static): row `p * group_size + g` of the rollout is sample g of prompt
+        p. Each prompt is prefilled once; the result equals sampling `jnp.repeat(prompts, group_size, 0)`.
 
-    hidden, cache = models.apply(policy, prompt_tokens, positions, key_valid, cache, 0)
-    logits = models.logits_from_hidden(policy, hidden[:, -1:])[:, 0]
+    Raises `ValueError` before compiling for an empty prompt, a token id outside the vocabulary, a prompt
+    plus `max_new_tokens` beyond the model's `max_position_embeddings`, or `group_size < 1`.
+    """
+    _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
+    return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
+                   group_size=group_size)
+
+
+def compiled_programs() -> int:
+    """How many sampler programs have been compiled in this process (one per distinct static setting and
+    input shape): the figure to keep small by bucketing prompt lengths and batch sizes."""
+    return _sample._cache_size()
+
+
+def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingConfig, group_size: int) -> None:
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_valid.shape:
+        raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_valid {prompt_valid.shape} must be the "
+                         "same [batch, prompt_len] shape")
+    total = prompt_tokens.shape[1] + config.max_new_tokens
+    if total > policy.config.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {config.max_new_tokens} = "
+                         f"{total} exceeds the model's max_position_embeddings "
+                         f"({policy.config.max_position_embeddings})")
+    if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_valid, jax.core.Tracer):
+        return  # traced inside a caller's jit: values are not known here
+    tokens, valid = np.asarray(prompt_tokens), np.asarray(prompt_valid)
+    empty = np.flatnonzero(~valid.any(axis=1))
+    if empty.size:
+        raise ValueError(f"prompt row {int(empty[0])} is empty (no valid token); {empty.size} empty rows")
+    if not valid[:, -1].all():
+        raise ValueError(f"prompt row {int(np.flatnonzero(~valid[:, -1])[0])} is not left-padded: its last "
+                         "column is padding")
+    bad = valid & ((tokens < 0) | (tokens >= policy.config.vocab_size))
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"prompt row {row}, position {col}: token id {int(tokens[row, col])} is outside the "
+                         f"model's vocabulary [0, {policy.config.vocab_size})")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size"))
+def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id, temperature,
+            *, group_size: int) -> Rollout:
+    stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
+    num_prompts, prompt_len = prompt_tokens.shape
+    batch, max_new = num_prompts * group_size, config.max_new_tokens
+    positions = models.positions_from_mask(prompt_valid)
+
+    # Prefill the distinct prompts once, then give every sample of a prompt its own copy of the cache
+    # (padded with room for the completion).
+    prompt_cache = KVCache.zeros(policy.config, num_prompts, prompt_len)
+    hidden, prompt_cache = models.apply(policy, prompt_tokens, positions, prompt_valid, prompt_cache, 0)
+    logits = jnp.repeat(models.logits_from_hidden(policy, hidden[:, -1:])[:, 0], group_size, axis=0)
+    widen = ((0, 0), (0, 0), (0, max_new), (0, 0), (0, 0))
+    cache = KVCache(*(jnp.pad(jnp.repeat(x, group_size, axis=1), widen) for x in prompt_cache))
+    prompt_tokens, prompt_valid, positions = (jnp.repeat(x, group_size, axis=0)
+                                              for x in (prompt_tokens, prompt_valid, positions))
+    key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, max_new), bool)], axis=1)
     next_position = positions[:, -1] + 1
 
     def cond(carry):
@@ -125,18 +199,21 @@ def sample(
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, logits, tokens, logps, mask, done = carry
+        step, cache, logits, tokens, logps, policy_logps, mask, done = carry
         token, logp = sample_token(logits, jax.random.fold_in(rng, step), config, temperature)
         token = jnp.where(done, pad_id, token)
         tokens = tokens.at[:, step].set(token)
         logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
+        if config.policy_logp:
+            raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+            policy_logps = policy_logps.at[:, step].set(jnp.where(done, 0.0, raw))
         mask = mask.at[:, step].set(~done)
         done = done | jnp.isin(token, stop_ids)
         hidden, cache = models.apply(
             policy, token[:, None], (next_position + step)[:, None], key_valid, cache, prompt_len + step
         )
         logits = models.logits_from_hidden(policy, hidden)[:, 0]
-        return step + 1, cache, logits, tokens, logps, mask, done
+        return step + 1, cache, logits, tokens, logps, policy_logps, mask, done
 
     carry = (
         jnp.int32(0),
@@ -144,14 +221,16 @@ def sample(
         logits,
         jnp.full((batch, max_new), pad_id, jnp.int32),
         jnp.zeros((batch, max_new), jnp.float32),
+        jnp.zeros((batch, max_new), jnp.float32) if config.policy_logp else jnp.zeros((), jnp.float32),
         jnp.zeros((batch, max_new), bool),
         jnp.zeros((batch,), bool),
     )
-    _, _, _, tokens, logps, mask, done = jax.lax.while_loop(cond, body, carry)
+    _, _, _, tokens, logps, policy_logps, mask, done = jax.lax.while_loop(cond, body, carry)
     return Rollout(
         tokens=jnp.concatenate([prompt_tokens, tokens], axis=1),
         prompt_valid=prompt_valid,
         completion_mask=mask,
         sampler_logp=logps,
         finish_reason=jnp.where(done, FINISH_EOS, FINISH_LENGTH).astype(jnp.int32),
+        policy_logp=policy_logps if config.policy_logp else None,
     )

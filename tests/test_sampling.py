@@ -3,9 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import models
-from jaxrl.sampling import FINISH_EOS, FINISH_LENGTH, SamplingConfig, filter_logits, sample
+from jaxrl.sampling import (FINISH_EOS, FINISH_LENGTH, SamplingConfig, _sample, compiled_programs, filter_logits,
+                            sample, sample_token)
 
 CONFIG = models.ModelConfig(vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                             head_dim=8, intermediate_size=64)
@@ -17,16 +19,21 @@ def _prompts():
     return jnp.asarray(tokens), jnp.asarray(tokens != 0)
 
 
-def _naive_greedy(policy, tokens, valid, max_new):
-    """Greedy decoding by re-running the full forward pass for every new token (no cache)."""
-    out = []
-    for _ in range(max_new):
-        logits = models.forward(policy, tokens, valid)[:, -1]
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-        out.append(nxt)
-        tokens = jnp.concatenate([tokens, nxt[:, None]], 1)
-        valid = jnp.concatenate([valid, jnp.ones_like(nxt[:, None], bool)], 1)
-    return jnp.stack(out, 1)
+_jit_forward = jax.jit(models.forward)
+
+
+def _naive_sample(policy, tokens, valid, rng, config, group_size=1):
+    """The reference sampler: prompts repeated per sample, a full forward pass (no cache) over the whole
+    fixed-length buffer for every new token, the same per-step keys and filters as the cached sampler."""
+    tokens, valid = jnp.repeat(tokens, group_size, 0), jnp.repeat(valid, group_size, 0)
+    prompt_len, new = tokens.shape[1], config.max_new_tokens
+    tokens = jnp.concatenate([tokens, jnp.zeros((tokens.shape[0], new), jnp.int32)], 1)
+    valid = jnp.concatenate([valid, jnp.ones((valid.shape[0], new), bool)], 1)  # causal: the future is unseen
+    for step in range(new):
+        logits = _jit_forward(policy, tokens, valid)[:, prompt_len + step - 1]
+        nxt, _ = sample_token(logits, jax.random.fold_in(rng, step), config)
+        tokens = tokens.at[:, prompt_len + step].set(nxt)
+    return tokens[:, prompt_len:]
 
 
 def test_greedy_matches_naive_reference():
@@ -34,7 +41,7 @@ def test_greedy_matches_naive_reference():
     tokens, valid = _prompts()
     config = SamplingConfig(max_new_tokens=10, temperature=0.0)
     rollout = sample(policy, tokens, valid, jax.random.key(0), config, eos_id=-1, pad_id=PAD)
-    np.testing.assert_array_equal(rollout.completion_tokens, _naive_greedy(policy, tokens, valid, 10))
+    np.testing.assert_array_equal(rollout.completion_tokens, _naive_sample(policy, tokens, valid, jax.random.key(0), config))
     assert rollout.completion_mask.all() and (rollout.finish_reason == FINISH_LENGTH).all()
 
 
@@ -84,3 +91,90 @@ def test_filters():
     assert np.isfinite(tiny[0, 0]) and np.isneginf(tiny[0, 1:]).all()
     hot = filter_logits(logits, SamplingConfig(temperature=2.0))
     np.testing.assert_allclose(hot, logits / 2.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_same_tokens_as_the_naive_sampler_with_and_without_prefix_sharing(temperature, group_size):
+    policy = models.init(CONFIG, 2)
+    tokens, valid = _prompts()
+    config = SamplingConfig(max_new_tokens=10, temperature=temperature, top_k=12)
+    key = jax.random.key(11)
+    shared = sample(policy, tokens, valid, key, config, -1, PAD, group_size=group_size)
+    repeated = sample(policy, jnp.repeat(tokens, group_size, 0), jnp.repeat(valid, group_size, 0), key, config,
+                      -1, PAD)
+    naive = _naive_sample(policy, tokens, valid, key, config, group_size)
+    np.testing.assert_array_equal(shared.completion_tokens, naive)
+    np.testing.assert_array_equal(repeated.completion_tokens, naive)
+    np.testing.assert_array_equal(shared.tokens[:, :tokens.shape[1]], jnp.repeat(tokens, group_size, 0))
+    np.testing.assert_allclose(shared.sampler_logp, repeated.sampler_logp, atol=1e-5)
+    if temperature and group_size > 1:  # the samples of one prompt differ from each other
+        assert len({tuple(row) for row in np.asarray(shared.completion_tokens[:group_size])}) > 1
+
+
+def test_policy_logp_is_the_unmodified_distribution():
+    policy = models.init(CONFIG, 1)
+    tokens, valid = _prompts()
+    config = SamplingConfig(max_new_tokens=8, temperature=0.7, top_k=5, min_p=0.05, policy_logp=True)
+    rollout = sample(policy, tokens, valid, jax.random.key(3), config, EOS, PAD, group_size=2)
+    full_valid = jnp.concatenate([rollout.prompt_valid, jnp.ones(rollout.completion_mask.shape, bool)], 1)
+    logp = jax.nn.log_softmax(models.forward(policy, rollout.tokens, full_valid), -1)
+    expected = jnp.take_along_axis(logp[:, tokens.shape[1] - 1:-1], rollout.completion_tokens[..., None], -1)[..., 0]
+    mask = rollout.completion_mask
+    np.testing.assert_allclose(np.where(mask, rollout.policy_logp, 0), np.where(mask, expected, 0), atol=1e-5)
+    assert (np.asarray(rollout.sampler_logp)[mask] > np.asarray(rollout.policy_logp)[mask]).mean() > 0.5
+    assert sample(policy, tokens, valid, jax.random.key(3), SamplingConfig(4), EOS, PAD).policy_logp is None
+
+
+def test_min_p_filter():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, SamplingConfig(min_p=0.2))  # threshold 0.2 * 0.5 = 0.1
+    assert np.isfinite(kept[0, :3]).all() and np.isneginf(kept[0, 3])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t, v: (t, v.at[1].set(False)), "prompt row 1 is empty"),
+    (lambda t, v: (t.at[0, 5].set(CONFIG.vocab_size), v), "row 0, position 5: token id 24 is outside"),
+    (lambda t, v: (t.at[2, 5].set(-1), v), "token id -1 is outside"),
+    (lambda t, v: (t, v.at[0, 5].set(False)), "not left-padded"),
+])
+def test_bad_prompts_stop_before_compiling(edit, match):
+    policy = models.init(CONFIG, 0)
+    tokens, valid = edit(*_prompts())
+    before = _sample._cache_size()
+    with pytest.raises(ValueError, match=match):
+        sample(policy, tokens, valid, jax.random.key(0), SamplingConfig(max_new_tokens=3), EOS, PAD)
+    assert _sample._cache_size() == before
+
+
+def test_bad_lengths_and_settings():
+    short = models.init(models.ModelConfig(**{**CONFIG.__dict__, "max_position_embeddings": 10}), 0)
+    tokens, valid = _prompts()
+    with pytest.raises(ValueError, match="prompt length 6 \\+ max_new_tokens 5 = 11 exceeds the model's "
+                                         "max_position_embeddings \\(10\\)"):
+        sample(short, tokens, valid, jax.random.key(0), SamplingConfig(max_new_tokens=5), EOS, PAD)
+    with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
+        SamplingConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), EOS, PAD, group_size=0)
+
+
+def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tmp_path):
+    """200 RL steps on prompts of 2 to 6 operations: the sampler compiles a handful of programs (the
+    padded prompt length is fixed per run), reported in metrics.jsonl as sampler/compiled_programs."""
+    from jaxrl import loop
+    from jaxrl.config import Config
+    from jaxrl.configlib import load_config
+    from jaxrl.metrics import read_metrics
+
+    config = load_config(Config, None, [
+        "model.hidden_size=32", "model.num_layers=1", "model.head_dim=8", "model.intermediate_size=64",
+        "task.min_steps=2", "task.max_steps=6", "task.num_train=400", "task.num_eval=8", "sft.steps=0",
+        "rl.steps=200", "rl.prompts_per_step=2", "rl.group_size=2", "rl.sampling.max_new_tokens=4",
+        "eval.every=100", "eval.batch_size=8", "checkpoint.every=0", "progress=false",
+        f"output_dir={tmp_path}"])
+    before = compiled_programs()
+    loop.run(config)
+    counts = [r["sampler/compiled_programs"] - before for r in read_metrics(tmp_path / "metrics.jsonl")
+              if "sampler/compiled_programs" in r]
+    assert len(counts) == 200 and counts[-1] <= 8, counts[-1]

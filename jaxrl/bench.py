@@ -1,0 +1,304 @@
+"""Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload.
+
+    jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
+                       [--no-prefix-sharing | --compare] [--repeats 3]
+
+The workload: a policy with random weights (`--seed`), `prompts` prompts of `prompt_len` random token ids
+(numpy, fixed seed), `group` samples of each (prompts * group sequences), exactly `new_tokens` new tokens per
+sequence (EOS ignored), temperature 1, no top-k / top-p. With prefix sharing the sampler gets the P distinct
+prompts and `group_size=G` (each prompt prefilled once); without it (the baseline) every prompt is repeated G
+times and sampled with `group_size=1`. Prints one JSON line with every figure, then a markdown table.
+`--compare` runs both modes, each in a fresh process (so peak memory and compile time are each run's own), and
+reports the speedup. `benchmarks/sample_transformers.py` runs the same workload with Hugging Face transformers.
+
+Module import is cheap (jax is imported inside the functions), so the CLI can build its parser from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+PAD_ID = 0
+NO_EOS = -1  # never sampled: every sequence runs to `new_tokens`
+
+
+def _model_config(model: Any):
+    import models
+
+    if isinstance(model, models.ModelConfig):
+        return "custom", model
+    if model not in models.PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; choose from {sorted(models.PRESETS)}")
+    return model, models.PRESETS[model]
+
+
+def group_size_supported() -> bool:
+    """Whether `jaxrl.sampling.sample` takes `group_size` (P prompts -> P * G rows, each prompt prefilled once)."""
+    from jaxrl.sampling import sample
+
+    return "group_size" in inspect.signature(sample).parameters
+
+
+def _peak_memory() -> tuple[int, str]:
+    """Peak memory in bytes and where it comes from: the device allocator's peak if it reports one, else the
+    process's peak resident set size (CPU)."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # some backends do not implement memory_stats
+            stats = {}
+        if "peak_bytes_in_use" in stats:
+            return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024), "host ru_maxrss"
+
+
+def _timed(fn) -> float:
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int = 64, group: int = 8,
+                 new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
+                 seed: int = 0) -> dict:
+    """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
+
+    `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`. Figures: `compile_s` (first call
+    minus a steady call), `call_s` (median of `repeats` timed calls after the first), `tokens_per_s`
+    (prompts * group * new_tokens / call_s), `ttft_s` (time to first token: median of `repeats` calls of the same
+    workload with `new_tokens=1`, after their own warm-up call), `peak_memory_bytes`, the device and versions.
+    When the sampler has no `group_size` argument yet, prefix sharing falls back to repeated prompts
+    (`prefix_sharing` is then False in the result, `prefix_sharing_requested` True).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import models
+    from jaxrl.sampling import SamplingConfig, sample
+
+    for name, value in (("prompts", prompts), ("prompt_len", prompt_len), ("group", group),
+                        ("new_tokens", new_tokens), ("repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    model_name, config = _model_config(model)
+    shared = prefix_sharing and group_size_supported()
+
+    policy = models.init(config, seed)
+    distinct = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, prompt_len), dtype=np.int32)
+    rows = distinct if shared else np.repeat(distinct, group, axis=0)  # row p * G + g: sample g of prompt p
+    tokens = jnp.asarray(rows)
+    valid = jnp.ones(rows.shape, bool)
+    key = jax.random.key(seed)
+    kwargs = {"group_size": group} if shared else {}
+    sequences = prompts * group
+
+    def call(n_new: int):
+        sampling = SamplingConfig(max_new_tokens=n_new, temperature=temperature, top_k=0, top_p=1.0)
+        return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
+
+    jax.block_until_ready(policy.params)
+    start = time.perf_counter()
+    rollout = jax.block_until_ready(call(new_tokens))  # the first call: tracing + compilation + one run
+    first = time.perf_counter() - start
+    generated = int(rollout.completion_mask.sum())  # checked: the shapes and the token count the figures rest on
+    if rollout.tokens.shape != (sequences, prompt_len + new_tokens) or generated != sequences * new_tokens:
+        raise RuntimeError(f"sampler returned tokens {rollout.tokens.shape} with {generated} generated tokens; "
+                           f"expected ({sequences}, {prompt_len + new_tokens}) and {sequences * new_tokens}")
+    del rollout
+    times = [_timed(lambda: call(new_tokens)) for _ in range(repeats)]
+    call_s = statistics.median(times)
+    _timed(lambda: call(1))  # warm-up (compile) of the one-token call
+    ttft_times = [_timed(lambda: call(1)) for _ in range(repeats)]
+    ttft_s = statistics.median(ttft_times)
+    peak, peak_source = _peak_memory()
+    device = jax.devices()[0]
+    return {
+        "benchmark": "sample",
+        "model": model_name,
+        "parameters": models.num_parameters(config),
+        "dtype": config.dtype,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "group": group,
+        "sequences": sequences,
+        "new_tokens": new_tokens,
+        "generated_tokens": generated,
+        "temperature": temperature,
+        "prefix_sharing": shared,
+        "prefix_sharing_requested": prefix_sharing,
+        "group_size_supported": group_size_supported(),
+        "repeats": repeats,
+        "seed": seed,
+        "compile_s": max(first - call_s, 0.0),
+        "first_call_s": first,
+        "call_s": call_s,
+        "call_times_s": times,
+        "tokens_per_s": generated / call_s,
+        "ttft_s": ttft_s,
+        "ttft_times_s": ttft_times,
+        "peak_memory_bytes": peak,
+        "peak_memory_source": peak_source,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": _jaxlib_version(),
+    }
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except Exception:
+        return None
+
+
+_CHILD = ("import json, sys\nfrom jaxrl.bench import bench_sample\n"
+          "print(json.dumps(bench_sample(**json.loads(sys.argv[1]))), flush=True)")
+
+
+def _bench_in_fresh_process(**kwargs) -> dict:
+    """`bench_sample(**kwargs)` in a new Python process: its own compile cache and its own peak memory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(kwargs)], stdout=subprocess.PIPE, text=True,
+                            env=env, check=False)
+    if result.returncode:
+        raise RuntimeError(f"benchmark process failed (exit {result.returncode})")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare_sample(isolate: bool = True, **kwargs) -> dict:
+    """Both modes (prefix sharing, then the repeated-prompt baseline) and the speedup of sharing.
+
+    `isolate` runs each mode in a fresh process; otherwise both run here (the host peak memory is then the
+    process's peak so far, i.e. the baseline's figure also covers the first run).
+    """
+    kwargs.pop("prefix_sharing", None)
+    run = _bench_in_fresh_process if isolate else bench_sample
+    shared = run(**kwargs, prefix_sharing=True)
+    baseline = run(**kwargs, prefix_sharing=False)
+    return {
+        "benchmark": "sample_compare",
+        "prefix_sharing": shared,
+        "baseline": baseline,
+        "speedup_tokens_per_s": shared["tokens_per_s"] / baseline["tokens_per_s"],
+        "speedup_ttft": baseline["ttft_s"] / shared["ttft_s"],
+        "peak_memory_ratio": shared["peak_memory_bytes"] / baseline["peak_memory_bytes"],
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def markdown_table(results: list[dict]) -> str:
+    header = ("| mode | sequences | new tokens | tokens/s | time per call | time to first token | compile "
+              "| peak memory |\n|---|---|---|---|---|---|---|---|")
+    lines = [header]
+    for r in results:
+        if r["prefix_sharing"]:
+            mode = f"prefix sharing ({r['prompts']} prompts x {r['group']})"
+        elif r["prefix_sharing_requested"]:
+            mode = f"repeated prompts ({r['prompts']} x {r['group']}; sampler has no group_size)"
+        else:
+            mode = f"repeated prompts ({r['prompts']} x {r['group']})"
+        lines.append(f"| {mode} | {r['sequences']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} "
+                     f"| {r['call_s']:.3f} s | {r['ttft_s']:.3f} s | {r['compile_s']:.2f} s "
+                     f"| {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
+    return "\n".join(lines)
+
+
+def _describe(r: dict) -> str:
+    return (f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters, {r['dtype']}), prompt length "
+            f"{r['prompt_len']}, temperature {r['temperature']}, {r['repeats']} timed calls (median); "
+            f"device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bench-small",
+                        help="model preset of models.PRESETS (random weights; default: bench-small)")
+    parser.add_argument("--prompts", type=int, default=8, help="distinct prompts P (default: 8)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default: 64)")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt G (default: 8)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per sample (default: 128)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--no-prefix-sharing", action="store_true",
+                       help="baseline: repeat every prompt G times, group_size=1")
+    modes.add_argument("--compare", action="store_true",
+                       help="run with and without prefix sharing (each in a fresh process), report the speedup")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default: 0)")
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    """Handler of `jaxrl bench sample`: one JSON line, then a markdown table. Bad arguments -> exit 2."""
+    import models
+
+    if args.model not in models.PRESETS:
+        print(f"jaxrl: bench error: unknown model {args.model!r}; choose from {sorted(models.PRESETS)}",
+              file=sys.stderr)
+        return 2
+    kwargs = dict(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, group=args.group,
+                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed)
+    try:
+        if args.compare:
+            result = compare_sample(**kwargs)
+            rows = [result["prefix_sharing"], result["baseline"]]
+        else:
+            result = bench_sample(**kwargs, prefix_sharing=not args.no_prefix_sharing)
+            rows = [result]
+    except (ValueError, RuntimeError) as e:
+        print(f"jaxrl: bench error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result), flush=True)
+    print()
+    print(markdown_table(rows))
+    print()
+    print(_describe(rows[0]))
+    if args.compare:
+        print(f"prefix sharing vs repeated prompts: tokens/s x{result['speedup_tokens_per_s']:.2f}, "
+              f"time to first token x{result['speedup_ttft']:.2f}, peak memory x{result['peak_memory_ratio']:.2f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxrl bench", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="benchmark", required=True)
+    sample = commands.add_parser("sample", help="sampler throughput, time to first token, memory")
+    add_sample_arguments(sample)
+    sample.set_defaults(handler=run_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`main(["sample", "--prompts", "2", ...])`: the same as `jaxrl bench sample --prompts 2 ...`."""
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

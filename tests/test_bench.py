@@ -1,0 +1,75 @@
+"""`jaxrl bench sample`: the sampler benchmark on a tiny model returns sane figures; the CLI prints JSON."""
+
+import json
+import math
+
+import pytest
+
+import models
+from jaxrl import bench, cli
+
+TINY = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                          intermediate_size=64)
+SIZES = dict(prompts=2, prompt_len=5, group=3, new_tokens=4, repeats=2)
+FIGURES = ("compile_s", "first_call_s", "call_s", "tokens_per_s", "ttft_s", "peak_memory_bytes")
+
+
+def _check(result, prompts, group, new_tokens, repeats, prompt_len=None):
+    assert result["sequences"] == prompts * group and result["prompts"] == prompts and result["group"] == group
+    assert prompt_len is None or result["prompt_len"] == prompt_len
+    assert result["generated_tokens"] == prompts * group * new_tokens
+    for key in FIGURES:
+        assert math.isfinite(result[key]) and result[key] >= 0, (key, result[key])
+    for key in ("call_s", "tokens_per_s", "ttft_s", "peak_memory_bytes", "first_call_s"):
+        assert result[key] > 0, key
+    assert len(result["call_times_s"]) == len(result["ttft_times_s"]) == repeats
+    assert result["tokens_per_s"] == pytest.approx(result["generated_tokens"] / result["call_s"])
+    assert result["jax_version"] and result["device_kind"]
+
+
+def test_bench_sample_both_modes_tiny_config():
+    result = bench.compare_sample(isolate=False, model=TINY, **SIZES)
+    shared, baseline = result["prefix_sharing"], result["baseline"]
+    for r in (shared, baseline):
+        _check(r, **SIZES)
+        assert r["model"] == "custom" and r["parameters"] == models.num_parameters(TINY)
+    assert shared["prefix_sharing_requested"] and not baseline["prefix_sharing_requested"]
+    assert shared["prefix_sharing"] is bench.group_size_supported() and baseline["prefix_sharing"] is False
+    assert result["speedup_tokens_per_s"] > 0 and result["speedup_ttft"] > 0
+
+
+def test_bench_sample_falls_back_without_group_size(monkeypatch):
+    monkeypatch.setattr(bench, "group_size_supported", lambda: False)
+    result = bench.bench_sample(TINY, **SIZES)  # the baseline's shapes above: no new compilation
+    _check(result, **SIZES)
+    assert result["prefix_sharing"] is False and result["prefix_sharing_requested"] is True
+    assert "sampler has no group_size" in bench.markdown_table([result])
+
+
+def test_bench_sample_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="group"):
+        bench.bench_sample(TINY, group=0)
+    with pytest.raises(ValueError, match="unknown model"):
+        bench.bench_sample("no-such-model")
+
+
+def test_cli_bench_sample_prints_a_json_line(capsys):
+    argv = ["bench", "sample", "--model", "tiny", "--prompts", "2", "--prompt-len", "8", "--group", "2",
+            "--new-tokens", "4", "--repeats", "1"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads(lines[0])
+    _check(result, prompts=2, group=2, new_tokens=4, repeats=1, prompt_len=8)
+    assert result["model"] == "tiny" and result["prefix_sharing_requested"] is True
+    assert any(line.startswith("| mode |") for line in lines)
+
+    args = cli.build_parser().parse_args([*argv, "--no-prefix-sharing"])
+    assert args.no_prefix_sharing and not args.compare and args.handler is cli._bench_sample
+
+
+def test_cli_bench_sample_errors(capsys):
+    assert cli.main(["bench", "sample", "--model", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: --compare and --no-prefix-sharing exclude each other
+        cli.main(["bench", "sample", "--compare", "--no-prefix-sharing"])
+
