@@ -99,10 +99,23 @@ def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
         tokens = jnp.argmax(logits, axis=-1)
         logp = jax.nn.log_softmax(logits, axis=-1)
     else:
-        filtered = filter_logits(logits, config, temperature)
-        tokens = jax.random.categorical(key, filtered, axis=-1)
-        logp = jax.nn.log_softmax(filtered, axis=-1)
+        logp = jax.nn.log_softmax(filter_logits(logits, config, temperature), axis=-1)
+        tokens = inverse_cdf_sample(jnp.exp(logp), key)
     return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def inverse_cdf_sample(probs: jax.Array, key: jax.Array) -> jax.Array:
+    """One index per row of `probs [batch, vocab]` (non-negative, any total), drawn with probability
+    proportional to its entry: the first index whose cumulative sum exceeds a uniform draw.
+
+    One uniform number per row instead of `jax.random.categorical`'s Gumbel noise over the whole vocabulary
+    (on CPU, generating that noise took a third of the decode time). Zero-probability entries are never drawn.
+    """
+    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
+    u = jax.random.uniform(key, (probs.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    index = jnp.sum(cdf <= u, axis=-1)  # first i with cdf[i] > u, so probs[i] > 0
+    last_positive = probs.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(index, last_positive)  # u rounded up to the total: the last drawable index
 
 
 def sample(
@@ -187,8 +200,8 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
     prompt_cache = KVCache.zeros(policy.config, num_prompts, prompt_len)
     hidden, prompt_cache = models.apply(policy, prompt_tokens, positions, prompt_valid, prompt_cache, 0)
     logits = jnp.repeat(models.logits_from_hidden(policy, hidden[:, -1:])[:, 0], group_size, axis=0)
-    widen = ((0, 0), (0, 0), (0, max_new), (0, 0), (0, 0))
-    cache = KVCache(*(jnp.pad(jnp.repeat(x, group_size, axis=1), widen) for x in prompt_cache))
+    widen = ((0, 0), (0, max_new), (0, 0), (0, 0))
+    cache = prompt_cache.map(lambda x: jnp.pad(jnp.repeat(x, group_size, axis=0), widen))
     prompt_tokens, prompt_valid, positions = (jnp.repeat(x, group_size, axis=0)
                                               for x in (prompt_tokens, prompt_valid, positions))
     key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, max_new), bool)], axis=1)

@@ -29,17 +29,23 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 class KVCache(NamedTuple):
     """Keys and values of every layer, written in place by the decoder.
 
-    k, v: `[num_layers, batch, max_len, num_kv_heads, head_dim]` in the compute dtype.
+    k, v: one array per layer, each `[batch, max_len, num_kv_heads, head_dim]` in the compute dtype. Separate
+    arrays (not one stacked `[num_layers, ...]` array) so that attention reads a layer's cache without first
+    slicing a copy out of the stack at every decode step.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
         dtype = jnp.dtype(config.dtype)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)) for _ in range(2)))
+
+    def map(self, fn) -> "KVCache":
+        """The cache with `fn` applied to every layer's keys and values."""
+        return KVCache(tuple(map(fn, self.k)), tuple(map(fn, self.v)))
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
@@ -56,6 +62,10 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _replace(items: tuple, index: int, value) -> tuple:
+    return (*items[:index], value, *items[index + 1:])
 
 
 def _activation(name: str):
@@ -113,9 +123,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(hd, config)
             self.k_norm = RMSNorm(hd, config)
 
-    def __call__(self, x, positions, mask, cache_kv, cache_index):
-        """x `[batch, seq, hidden]`; cache_kv `(k, v)` of this layer `[batch, max_len, kv_heads, head_dim]`
-        or None. Returns `(out [batch, seq, hidden], (k, v))`."""
+    def __call__(self, x, positions, mask, cache, cache_index, layer):
+        """x `[batch, seq, hidden]`; `cache`: the model's `KVCache` or None. The segment's keys and values
+        are written into this layer's slots `[cache_index, cache_index + seq)` in place (only those slots:
+        a decode step does not copy the cache). Returns `(out [batch, seq, hidden], cache)`."""
         cfg = self.config
         batch, seq, _ = x.shape
         flat = x.reshape(batch * seq, -1)
@@ -127,11 +138,12 @@ class Attention(nnx.Module):
         inv_freq = cfg.inv_frequencies(self.layer)
         q = rotary_embedding(q, positions, inv_freq)
         k = rotary_embedding(k, positions, inv_freq)
-        if cache_kv is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 1)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache.k[layer], k.astype(cache.k[layer].dtype), cache_index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache.v[layer], v.astype(cache.v[layer].dtype), cache_index, 1)
+            cache = KVCache(_replace(cache.k, layer, k), _replace(cache.v, layer, v))
         out = attention(q, k, v, mask, scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
-        return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), (k, v)
+        return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), cache
 
 
 class MLP(nnx.Module):
@@ -163,15 +175,15 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(d, config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, masks, cache_kv, cache_index):
+    def __call__(self, x, positions, masks, cache, cache_index, layer):
         mask = masks["sliding" if self.sliding else "full"]
-        h, kv = self.self_attn(self.input_layernorm(x), positions, mask, cache_kv, cache_index)
+        h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, layer)
         if self.post_norms:
             h = self.post_attention_layernorm(h)
             x = x + h
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Embedding(nnx.Module):
@@ -209,15 +221,9 @@ class Transformer(nnx.Module):
         if cfg.sliding_window:
             masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
                                                                    cfg.sliding_window)
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, (k, v) = layer(x, positions, masks, layer_cache, cache_index)
-            new_k.append(k)
-            new_v.append(v)
-        hidden = self.norm(x)
-        new_cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
-        return hidden, new_cache
+            x, cache = layer(x, positions, masks, cache, cache_index, i)
+        return self.norm(x), cache
 
     def unembedding(self) -> jax.Array:
         """`[vocab, hidden]` output projection (the embedding table when tied)."""

@@ -178,3 +178,15 @@ def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tm
     counts = [r["sampler/compiled_programs"] - before for r in read_metrics(tmp_path / "metrics.jsonl")
               if "sampler/compiled_programs" in r]
     assert len(counts) == 200 and counts[-1] <= 8, counts[-1]
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    from jaxrl.sampling import inverse_cdf_sample
+
+    probs = jnp.array([[0.5, 0.0, 0.3, 0.2, 0.0]] * 20000)
+    draws = np.asarray(inverse_cdf_sample(probs, jax.random.key(0)))
+    counts = np.bincount(draws, minlength=5) / draws.size
+    np.testing.assert_allclose(counts, [0.5, 0.0, 0.3, 0.2, 0.0], atol=0.015)  # ~4 sigma at n = 20000
+    assert counts[1] == 0 and counts[4] == 0  # zero-probability entries are never drawn
+    one_hot = jnp.zeros((3, 7)).at[:, 6].set(1.0)
+    assert (np.asarray(inverse_cdf_sample(one_hot, jax.random.key(1))) == 6).all()
