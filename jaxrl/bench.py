@@ -17,7 +17,6 @@ Module import is cheap (jax is imported inside the functions), so the CLI can bu
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -40,13 +39,6 @@ def _model_config(model: Any):
     if model not in models.PRESETS:
         raise ValueError(f"unknown model preset {model!r}; choose from {sorted(models.PRESETS)}")
     return model, models.PRESETS[model]
-
-
-def group_size_supported() -> bool:
-    """Whether `jaxrl.sampling.sample` takes `group_size` (P prompts -> P * G rows, each prompt prefilled once)."""
-    from jaxrl.sampling import sample
-
-    return "group_size" in inspect.signature(sample).parameters
 
 
 def _peak_memory() -> tuple[int, str]:
@@ -83,8 +75,6 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     minus a steady call), `call_s` (median of `repeats` timed calls after the first), `tokens_per_s`
     (prompts * group * new_tokens / call_s), `ttft_s` (time to first token: median of `repeats` calls of the same
     workload with `new_tokens=1`, after their own warm-up call), `peak_memory_bytes`, the device and versions.
-    When the sampler has no `group_size` argument yet, prefix sharing falls back to repeated prompts
-    (`prefix_sharing` is then False in the result, `prefix_sharing_requested` True).
     """
     import jax
     import jax.numpy as jnp
@@ -98,7 +88,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     model_name, config = _model_config(model)
-    shared = prefix_sharing and group_size_supported()
+    shared = prefix_sharing
 
     policy = models.init(config, seed)
     distinct = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, prompt_len), dtype=np.int32)
@@ -142,8 +132,6 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "generated_tokens": generated,
         "temperature": temperature,
         "prefix_sharing": shared,
-        "prefix_sharing_requested": prefix_sharing,
-        "group_size_supported": group_size_supported(),
         "repeats": repeats,
         "seed": seed,
         "compile_s": max(first - call_s, 0.0),
@@ -221,8 +209,6 @@ def markdown_table(results: list[dict]) -> str:
     for r in results:
         if r["prefix_sharing"]:
             mode = f"prefix sharing ({r['prompts']} prompts x {r['group']})"
-        elif r["prefix_sharing_requested"]:
-            mode = f"repeated prompts ({r['prompts']} x {r['group']}; sampler has no group_size)"
         else:
             mode = f"repeated prompts ({r['prompts']} x {r['group']})"
         lines.append(f"| {mode} | {r['sequences']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} "

@@ -33,17 +33,8 @@ def test_bench_sample_both_modes_tiny_config():
     for r in (shared, baseline):
         _check(r, **SIZES)
         assert r["model"] == "custom" and r["parameters"] == models.num_parameters(TINY)
-    assert shared["prefix_sharing_requested"] and not baseline["prefix_sharing_requested"]
-    assert shared["prefix_sharing"] is bench.group_size_supported() and baseline["prefix_sharing"] is False
+    assert shared["prefix_sharing"] is True and baseline["prefix_sharing"] is False
     assert result["speedup_tokens_per_s"] > 0 and result["speedup_ttft"] > 0
-
-
-def test_bench_sample_falls_back_without_group_size(monkeypatch):
-    monkeypatch.setattr(bench, "group_size_supported", lambda: False)
-    result = bench.bench_sample(TINY, **SIZES)  # the baseline's shapes above: no new compilation
-    _check(result, **SIZES)
-    assert result["prefix_sharing"] is False and result["prefix_sharing_requested"] is True
-    assert "sampler has no group_size" in bench.markdown_table([result])
 
 
 def test_bench_sample_rejects_bad_sizes():
@@ -60,7 +51,7 @@ def test_cli_bench_sample_prints_a_json_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     result = json.loads(lines[0])
     _check(result, prompts=2, group=2, new_tokens=4, repeats=1, prompt_len=8)
-    assert result["model"] == "tiny" and result["prefix_sharing_requested"] is True
+    assert result["model"] == "tiny" and result["prefix_sharing"] is True
     assert any(line.startswith("| mode |") for line in lines)
 
     args = cli.build_parser().parse_args([*argv, "--no-prefix-sharing"])
