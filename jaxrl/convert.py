@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import models
 from jaxrl import configlib
 from models.configs import ModelConfig
-from models.hf import CheckpointError
+from models.hf import CheckpointError, copy_non_weight_files
 from models.transformer import Policy
 
 __all__ = ["POLICY_FORMAT", "ConvertResult", "Source", "convert", "describe_source", "load_policy", "parse_size",
@@ -295,19 +295,12 @@ def save_policy(policy: Policy, directory: str | os.PathLike, *, hf_files: str |
     if hf_files is not None:
         hf_files = os.path.expanduser(os.fspath(hf_files))
         os.makedirs(files_dir)
-        for name in sorted(os.listdir(hf_files)):
-            source = os.path.join(hf_files, name)
-            if os.path.isfile(source) and not _is_weight_file(name):
-                shutil.copyfile(source, os.path.join(files_dir, name))
+        copy_non_weight_files(hf_files, files_dir)
     tmp = model_file + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"format": POLICY_FORMAT, "model": configlib.to_dict(policy.config)}, f, indent=2)
         f.write("\n")
     os.replace(tmp, model_file)
-
-
-def _is_weight_file(name: str) -> bool:
-    return re.match(r".*\.(safetensors|bin|pt|pth|msgpack|h5)$|.*\.safetensors\.index\.json$", name) is not None
 
 
 # ----------------------------------------------------------------------------- conversion

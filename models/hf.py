@@ -243,10 +243,7 @@ def save_pretrained(
         raw = read_config(base)
         for key in _ARCH_KEYS | set(arch):
             raw.pop(key, None)
-        for name in sorted(os.listdir(base)):
-            source = os.path.join(base, name)
-            if os.path.isfile(source) and name != "config.json" and not _WEIGHT_FILE.match(name):
-                shutil.copyfile(source, os.path.join(directory, name))
+        copy_non_weight_files(base, directory, skip=("config.json",))
 
     entries = [(hf_name(p), value) for p, value in _param_paths(policy.params)]
     specs = [TensorSpec(name, store_dtype, tuple(value.shape)) for name, value in entries]
@@ -280,6 +277,15 @@ def save_pretrained(
 _ARCH_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "dtype", "torch_dtype",
               "layer_types", "sliding_window", "sliding_window_pattern", "_sliding_window_pattern",
               "use_sliding_window", "max_window_layers", "attention_bias", "transformers_version"}
+
+
+def copy_non_weight_files(source: str, destination: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy the top-level files of an HF directory other than weights (tokenizer, generation config, chat
+    template, license, ...) from `source` to `destination`, except the names in `skip`."""
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and name not in skip and not _WEIGHT_FILE.match(name):
+            shutil.copyfile(path, os.path.join(destination, name))
 
 
 def _shard(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
