@@ -152,6 +152,9 @@ class DataConfig:
     skip_bad_rows: bool = False  # skip malformed rows (counted in summary.json) instead of stopping
     chat_template: bool = False  # wrap each templated prompt as a user turn with the tokenizer's chat template
     system_prompt: str | None = None  # a system turn before it (chat_template only)
+    # Each batch of prompts is left-padded to the shortest of this many lengths that fits it: the longest
+    # prompt's length and its halves (multiples of 8). More buckets: less padding, more compiled programs.
+    prompt_buckets: int = _field(4, gt=0)
 
     def prompt_fields(self) -> PromptFields:
         return PromptFields(self.prompt_field, self.reference_field, self.template, self.reference_pattern,

@@ -35,7 +35,7 @@ from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample
 from jaxrl.sharding import make_mesh, replicate, shard_batch
-from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, encode_prompts, load_tokenizer, round_up,
+from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, left_pad, load_tokenizer, round_up,
                              train_tokenizer)
 from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
@@ -60,18 +60,24 @@ class Generator:
     """
 
     tokenizer: BaseTokenizer
-    prompt_length: int  # static padded prompt length: one compiled program per batch size
+    prompt_lengths: tuple[int, ...]  # padded prompt lengths, ascending: one compiled program per length
     mesh: jax.sharding.Mesh
     chat_template: bool = False
     system_prompt: str | None = None
 
     @classmethod
     def fitting(cls, prompts: Sequence[str], tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
-                system_prompt: str | None = None) -> "Generator":
-        """A generator whose padded prompt length (a multiple of 8) fits every one of `prompts`."""
-        generate = cls(tokenizer, 0, mesh, chat_template, system_prompt)
-        return dataclasses.replace(generate, prompt_length=round_up(max(map(len, map(generate.prompt_tokens,
-                                                                                      prompts))), 8))
+                system_prompt: str | None = None, buckets: int = 4) -> "Generator":
+        """A generator whose longest padded prompt length fits every one of `prompts`, with `buckets`
+        lengths in all (`prompt_length_buckets`)."""
+        generate = cls(tokenizer, (), mesh, chat_template, system_prompt)
+        longest = max(map(len, map(generate.prompt_tokens, prompts)))
+        return dataclasses.replace(generate, prompt_lengths=prompt_length_buckets(longest, buckets))
+
+    @property
+    def prompt_length(self) -> int:
+        """The longest padded prompt length."""
+        return self.prompt_lengths[-1]
 
     def render(self, prompt: str) -> str:
         """The text the model sees for a task prompt."""
@@ -86,8 +92,10 @@ class Generator:
     def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
                  temperature=None, group_size: int = 1) -> tuple[Rollout, list[str]]:
         """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once)."""
-        tokens, valid = encode_prompts(self.tokenizer, [self.render(p) for p in prompts], self.prompt_length,
-                                       templated=self.chat_template)
+        rows = [self.prompt_tokens(p) for p in prompts]
+        longest = max(map(len, rows))
+        length = next((n for n in self.prompt_lengths if n >= longest), self.prompt_length)
+        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, prompts)
         parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if len(prompts) % parallel:  # the distinct prompts do not split over the mesh: share nothing
             tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
@@ -96,6 +104,15 @@ class Generator:
                                         self.tokenizer.pad_id, temperature, group_size=group_size))
         texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
         return rollout, texts
+
+
+def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[int, ...]:
+    """Up to `count` padded prompt lengths, ascending: `longest` rounded up to `multiple`, then its successive
+    halves (rounded up likewise, distinct, at least `multiple`). A batch is padded to the shortest that fits
+    its longest prompt, so a run compiles at most `count` sampler programs per batch size while a batch of
+    short prompts does not pay for the longest prompt of the data set (at most 2x padding beyond a bucket)."""
+    lengths = {round_up(max(-(-longest // 2**i), 1), multiple) for i in range(count)}
+    return tuple(sorted(lengths))
 
 
 def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
@@ -254,7 +271,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
     generate = Generator.fitting([p.prompt for p in train_problems + eval_problems], tokenizer, mesh,
-                                 config.data.chat_template, config.data.system_prompt)
+                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets)
     times["data_time_s"] = time.perf_counter() - t0
     reward_fn = REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens
@@ -426,6 +443,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         record["train/truncated_frac"] = float((rollout.finish_reason == FINISH_LENGTH).mean())
         record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
         record["sampler/compiled_programs"] = compiled_programs()
+        record["sampler/prompt_length"] = int(rollout.prompt_valid.shape[1])
         if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
             record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
             last_accuracy = record["eval/accuracy"]

@@ -612,14 +612,21 @@ def encode_prompts(tokenizer: BaseTokenizer, prompts: Sequence[str], length: int
     Returns `(tokens [P, length] int32, valid [P, length] bool)`. A prompt longer than `length` is an error,
     never silently truncated.
     """
-    tokens = np.full((len(prompts), length), tokenizer.pad_id, np.int32)
-    valid = np.zeros((len(prompts), length), bool)
-    for row, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, prompt, templated=templated)
+    return left_pad([encode_prompt(tokenizer, prompt, templated=templated) for prompt in prompts], length,
+                    tokenizer.pad_id, prompts)
+
+
+def left_pad(rows: Sequence[Sequence[int]], length: int, pad_id: int,
+             texts: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token id rows left-padded with `pad_id` to `length`: `(tokens [P, length] int32, valid [P, length]
+    bool)`. A row longer than `length` is an error (quoting `texts[row]` when given), never truncated."""
+    tokens = np.full((len(rows), length), pad_id, np.int32)
+    valid = np.zeros((len(rows), length), bool)
+    for row, ids in enumerate(rows):
         if len(ids) > length:
-            raise ValueError(f"prompt {row} has {len(ids)} tokens, more than the prompt length {length}: "
-                             f"{prompt[:80]!r}")
-        if ids:
+            quoted = f": {texts[row][:80]!r}" if texts is not None else ""
+            raise ValueError(f"prompt {row} has {len(ids)} tokens, more than the prompt length {length}{quoted}")
+        if len(ids):
             tokens[row, length - len(ids):] = ids
             valid[row, length - len(ids):] = True
     return tokens, valid

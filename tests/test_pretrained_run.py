@@ -88,7 +88,7 @@ def test_run_from_a_hugging_face_checkpoint(pretrained_run):
 def test_prompts_go_through_the_chat_template(pretrained_run):
     tmp, config, _ = pretrained_run
     tokenizer = load_tokenizer(tmp / "qwen")
-    generate = loop.Generator(tokenizer, 64, None, chat_template=True, system_prompt="Think, then answer.")
+    generate = loop.Generator(tokenizer, (64,), None, chat_template=True, system_prompt="Think, then answer.")
     text = generate.render("1+2=")
     assert text == ("<|im_start|>system\nThink, then answer.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n"
                     "<|im_start|>assistant\n")
