@@ -68,7 +68,7 @@ def _timed(fn) -> float:
 
 def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int = 64, group: int = 8,
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, decode_segments: int | None = None) -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
     `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`. Figures: `compile_s` (first call
@@ -97,10 +97,12 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     valid = jnp.ones(rows.shape, bool)
     key = jax.random.key(seed)
     kwargs = {"group_size": group} if shared else {}
+    segments = {} if decode_segments is None else {"decode_segments": decode_segments}
     sequences = prompts * group
 
     def call(n_new: int):
-        sampling = SamplingConfig(max_new_tokens=n_new, temperature=temperature, top_k=0, top_p=1.0)
+        sampling = SamplingConfig(max_new_tokens=n_new, temperature=temperature, top_k=0, top_p=1.0,
+                                  **segments)
         return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
 
     jax.block_until_ready(policy.params)
@@ -132,6 +134,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "generated_tokens": generated,
         "temperature": temperature,
         "prefix_sharing": shared,
+        "decode_segments": SamplingConfig(**segments).decode_segments,
         "repeats": repeats,
         "seed": seed,
         "compile_s": max(first - call_s, 0.0),
@@ -236,6 +239,8 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                        help="baseline: repeat every prompt G times, group_size=1")
     modes.add_argument("--compare", action="store_true",
                        help="run with and without prefix sharing (each in a fresh process), report the speedup")
+    parser.add_argument("--decode-segments", type=int, default=None,
+                        help="SamplingConfig.decode_segments (default: the sampler's default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default: 0)")
 
@@ -249,7 +254,8 @@ def run_sample(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     kwargs = dict(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, group=args.group,
-                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed)
+                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
+                  decode_segments=args.decode_segments)
     try:
         if args.compare:
             result = compare_sample(**kwargs)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
-from models import KVCache, Policy
+from models import GroupKVCache, KVCache, Policy
 
 FINISH_EOS, FINISH_LENGTH = 0, 1
+MIN_SEGMENT_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +36,23 @@ class SamplingConfig:
     # Also return each sampled token's log-prob under the unmodified policy (temperature 1, no filters),
     # for importance-sampling corrections between the sampling and the training distribution.
     policy_logp: bool = False
+    # The decode runs in up to this many segments, each attending over a cache only as long as the completion
+    # can be by its end (`decode_segments`); 1: one loop over the full-length cache (fastest compile).
+    decode_segments: int = dataclasses.field(default=4, metadata={"gt": 0})
+    # "compute": keys and values cached in the model's compute dtype (bf16 on accelerators); "int8": int8 with a
+    # float32 scale per slot and head (`kernels.attention.quantize_int8`), for long completions or large groups
+    # whose cache would not fit. Slightly different log-probs, so sampled tokens can differ from "compute".
+    kv_cache_dtype: Literal["compute", "int8"] = "compute"
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.decode_segments < 1:
+            raise ValueError(f"decode_segments must be >= 1, got {self.decode_segments}")
+        if self.kv_cache_dtype not in ("compute", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'compute' or 'int8', got {self.kv_cache_dtype!r}")
         if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
             raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1 and top_k >= 0, got top_p={self.top_p}, "
                              f"min_p={self.min_p}, top_k={self.top_k}")
@@ -96,26 +108,48 @@ def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
                  temperature: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of `logits [batch, vocab]`; returns `(tokens [batch], logp [batch])`."""
     if config.temperature == 0.0:
-        tokens = jnp.argmax(logits, axis=-1)
+        tokens = first_max_index(logits)
         logp = jax.nn.log_softmax(logits, axis=-1)
     else:
         logp = jax.nn.log_softmax(filter_logits(logits, config, temperature), axis=-1)
         tokens = inverse_cdf_sample(jnp.exp(logp), key)
-    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def inverse_cdf_sample(probs: jax.Array, key: jax.Array) -> jax.Array:
+def first_max_index(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` for `x [batch, n]` as int32 (the first maximum), as two plain reductions:
+    XLA:CPU runs argmax's paired (value, index) reduction about 3x slower. A row of NaNs gives `n - 1`."""
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), index, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
+def _last_true_index(x: jax.Array) -> jax.Array:
+    """Index of the last True along the last axis of bool `x [batch, n]` (-1 if none), int32."""
+    return jnp.max(jnp.where(x, jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), -1), axis=-1)
+
+
+def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128) -> jax.Array:
     """One index per row of `probs [batch, vocab]` (non-negative, any total), drawn with probability
-    proportional to its entry: the first index whose cumulative sum exceeds a uniform draw.
+    proportional to its entry: the first index whose cumulative sum exceeds a uniform draw. int32 `[batch]`.
 
     One uniform number per row instead of `jax.random.categorical`'s Gumbel noise over the whole vocabulary
-    (on CPU, generating that noise took a third of the decode time). Zero-probability entries are never drawn.
+    (on CPU, generating that noise took a third of the decode time). The cumulative sum is taken in two
+    levels, over blocks of `block` entries and then within the chosen block, because a cumulative sum over a
+    32k vocabulary is 20x slower on XLA:CPU than the two short ones. Zero-probability entries are never drawn.
     """
-    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
-    u = jax.random.uniform(key, (probs.shape[0], 1), jnp.float32) * cdf[:, -1:]
-    index = jnp.sum(cdf <= u, axis=-1)  # first i with cdf[i] > u, so probs[i] > 0
-    last_positive = probs.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1)
-    return jnp.minimum(index, last_positive)  # u rounded up to the total: the last drawable index
+    batch, vocab = probs.shape
+    blocks = -(-vocab // block)
+    probs = jnp.pad(probs.astype(jnp.float32), ((0, 0), (0, blocks * block - vocab))).reshape(batch, blocks, block)
+    block_mass = probs.sum(axis=-1)
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    u = jax.random.uniform(key, (batch, 1), jnp.float32) * block_cdf[:, -1:]
+    # first block whose cdf exceeds u (it has mass > 0); u rounded up to the total: the last block with mass
+    chosen = jnp.minimum(jnp.sum(block_cdf <= u, axis=-1), _last_true_index(block_mass > 0))
+    within = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]
+    u_within = u - jnp.take_along_axis(block_cdf - block_mass, chosen[:, None], axis=1)
+    index = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= u_within, axis=-1), _last_true_index(within > 0))
+    return (chosen * block + index).astype(jnp.int32)
 
 
 def sample(
@@ -187,6 +221,19 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
                          f"model's vocabulary [0, {policy.config.vocab_size})")
 
 
+def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]:
+    """Split the decode steps `[0, max_new_tokens)` into at most `segments` equal `(start, end)` ranges of at
+    least `MIN_SEGMENT_STEPS` steps each.
+
+    The decode loop runs one segment at a time with a cache just long enough for it: attention over the
+    completion so far reads `end` slots instead of `max_new_tokens`, about halving its work for long
+    completions, at the price of one more compiled loop body per segment.
+    """
+    count = max(1, min(segments, -(-max_new_tokens // MIN_SEGMENT_STEPS)))
+    length = -(-max_new_tokens // count)
+    return [(start, min(start + length, max_new_tokens)) for start in range(0, max_new_tokens, length)]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size"))
 def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id, temperature,
             *, group_size: int) -> Rollout:
@@ -195,23 +242,16 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
     batch, max_new = num_prompts * group_size, config.max_new_tokens
     positions = models.positions_from_mask(prompt_valid)
 
-    # Prefill the distinct prompts once, then give every sample of a prompt its own copy of the cache
-    # (padded with room for the completion).
-    prompt_cache = KVCache.zeros(policy.config, num_prompts, prompt_len)
+    # Prefill the distinct prompts once; their caches are shared by the samples of each (never repeated).
+    int8 = config.kv_cache_dtype == "int8"
+    prompt_cache = KVCache.zeros(policy.config, num_prompts, prompt_len, int8)
     hidden, prompt_cache = models.apply(policy, prompt_tokens, positions, prompt_valid, prompt_cache, 0)
     logits = jnp.repeat(models.logits_from_hidden(policy, hidden[:, -1:])[:, 0], group_size, axis=0)
-    widen = ((0, 0), (0, max_new), (0, 0), (0, 0))
-    cache = prompt_cache.map(lambda x: jnp.pad(jnp.repeat(x, group_size, axis=0), widen))
     prompt_tokens, prompt_valid, positions = (jnp.repeat(x, group_size, axis=0)
                                               for x in (prompt_tokens, prompt_valid, positions))
-    key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, max_new), bool)], axis=1)
     next_position = positions[:, -1] + 1
 
-    def cond(carry):
-        step, *_, done = carry
-        return (step < max_new) & ~jnp.all(done)
-
-    def body(carry):
+    def body(carry, key_valid):
         step, cache, logits, tokens, logps, policy_logps, mask, done = carry
         token, logp = sample_token(logits, jax.random.fold_in(rng, step), config, temperature)
         token = jnp.where(done, pad_id, token)
@@ -222,15 +262,14 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
             policy_logps = policy_logps.at[:, step].set(jnp.where(done, 0.0, raw))
         mask = mask.at[:, step].set(~done)
         done = done | jnp.isin(token, stop_ids)
-        hidden, cache = models.apply(
-            policy, token[:, None], (next_position + step)[:, None], key_valid, cache, prompt_len + step
-        )
+        hidden, cache = models.apply(policy, token[:, None], (next_position + step)[:, None], key_valid, cache,
+                                     step)
         logits = models.logits_from_hidden(policy, hidden)[:, 0]
         return step + 1, cache, logits, tokens, logps, policy_logps, mask, done
 
     carry = (
         jnp.int32(0),
-        cache,
+        GroupKVCache(prompt_cache, KVCache.zeros(policy.config, batch, 0, int8)),
         logits,
         jnp.full((batch, max_new), pad_id, jnp.int32),
         jnp.zeros((batch, max_new), jnp.float32),
@@ -238,7 +277,13 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
         jnp.zeros((batch, max_new), bool),
         jnp.zeros((batch,), bool),
     )
-    _, _, _, tokens, logps, policy_logps, mask, done = jax.lax.while_loop(cond, body, carry)
+    for start, end in decode_segments(max_new, config.decode_segments):
+        step, cache, *rest = carry
+        carry = (step, GroupKVCache(cache.prompt, cache.own.extend(end - start)), *rest)
+        key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, end), bool)], axis=1)
+        carry = jax.lax.while_loop(lambda carry, end=end: (carry[0] < end) & ~jnp.all(carry[-1]),
+                                   functools.partial(body, key_valid=key_valid), carry)
+    _, _, _, tokens, logps, policy_logps, mask, done = carry
     return Rollout(
         tokens=jnp.concatenate([prompt_tokens, tokens], axis=1),
         prompt_valid=prompt_valid,

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kernels.attention import attention, causal_padding_mask, sliding_window_mask
+from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention,
+                               sliding_window_mask)
 from models.configs import ModelConfig
 
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -29,23 +30,71 @@ _INIT = nnx.initializers.normal(stddev=0.02)
 class KVCache(NamedTuple):
     """Keys and values of every layer, written in place by the decoder.
 
-    k, v: one array per layer, each `[batch, max_len, num_kv_heads, head_dim]` in the compute dtype. Separate
-    arrays (not one stacked `[num_layers, ...]` array) so that attention reads a layer's cache without first
-    slicing a copy out of the stack at every decode step.
+    k, v: one array per layer, each `[batch, num_kv_heads, max_len, head_dim]` in the compute dtype, or in int8
+      with per-slot scales. Separate arrays (not one stacked `[num_layers, ...]` array) so that attention reads
+      a layer's cache without first slicing a copy out of the stack at every decode step.
+    k_scale, v_scale: for an int8 cache, one float32 array `[batch, num_kv_heads, max_len]` per layer
+      (`kernels.attention.quantize_int8`); empty tuples otherwise.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    k_scale: tuple[jax.Array, ...] = ()
+    v_scale: tuple[jax.Array, ...] = ()
 
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-        dtype = jnp.dtype(config.dtype)
-        return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)) for _ in range(2)))
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, int8: bool = False) -> "KVCache":
+        """An empty cache in the compute dtype, or in int8 (a quarter of float32's memory, half of bf16's)."""
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        layers = range(config.num_layers)
+        if not int8:
+            dtype = jnp.dtype(config.dtype)
+            return cls(*(tuple(jnp.zeros(shape, dtype) for _ in layers) for _ in range(2)))
+        return cls(*(tuple(jnp.zeros(shape, jnp.int8) for _ in layers) for _ in range(2)),
+                   *(tuple(jnp.zeros(shape[:3], jnp.float32) for _ in layers) for _ in range(2)))
 
-    def map(self, fn) -> "KVCache":
-        """The cache with `fn` applied to every layer's keys and values."""
-        return KVCache(tuple(map(fn, self.k)), tuple(map(fn, self.v)))
+    @property
+    def int8(self) -> bool:
+        return bool(self.k_scale)
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[2]
+
+    def layer(self, layer: int) -> KV:
+        return KV(self.k[layer], self.v[layer], *((self.k_scale[layer], self.v_scale[layer]) if self.int8 else ()))
+
+    def extend(self, slots: int) -> "KVCache":
+        """The cache with `slots` more (empty) slots at the end."""
+        def grow(x):
+            return jnp.pad(x, [(0, 0), (0, 0), (0, slots)] + [(0, 0)] * (x.ndim - 3))
+        return KVCache(*(tuple(map(grow, part)) for part in self))
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, index) -> "KVCache":
+        """The cache with `k, v [batch, kv_heads, seq, head_dim]` written into `layer`'s slots
+        `[index, index + seq)` in place (only those slots: a decode step does not copy the cache)."""
+        def put(arrays, value):
+            updated = jax.lax.dynamic_update_slice_in_dim(arrays[layer], value.astype(arrays[layer].dtype), index, 2)
+            return _replace(arrays, layer, updated)
+
+        if not self.int8:
+            return KVCache(put(self.k, k), put(self.v, v))
+        (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+        return KVCache(put(self.k, k), put(self.v, v), put(self.k_scale, k_scale), put(self.v_scale, v_scale))
+
+
+class GroupKVCache(NamedTuple):
+    """Decode cache of `group` sequences per prompt (GRPO's group): each prompt's keys and values are held
+    once, not once per sequence, and attention reads them once per group (`shared_prefix_attention`).
+
+    prompt: `[prompts, kv_heads, prompt_len, head_dim]` per layer, filled by the prefill, read-only while
+      decoding.
+    own: `[prompts * group, kv_heads, own_len, head_dim]` per layer, each sequence's keys after the prompt;
+      slot j of it is slot `prompt_len + j` of the sequence. Row `p * group + j` is sample j of prompt p.
+    """
+
+    prompt: KVCache
+    own: KVCache
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
@@ -124,9 +173,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, config)
 
     def __call__(self, x, positions, mask, cache, cache_index, layer):
-        """x `[batch, seq, hidden]`; `cache`: the model's `KVCache` or None. The segment's keys and values
-        are written into this layer's slots `[cache_index, cache_index + seq)` in place (only those slots:
-        a decode step does not copy the cache). Returns `(out [batch, seq, hidden], cache)`."""
+        """x `[batch, seq, hidden]`; `cache`: a `KVCache`, a `GroupKVCache` or None. The segment's keys and
+        values are written into this layer's slots `[cache_index, cache_index + seq)` (of the `own` part of a
+        `GroupKVCache`). Returns `(out [batch, seq, hidden], cache)`."""
         cfg = self.config
         batch, seq, _ = x.shape
         flat = x.reshape(batch * seq, -1)
@@ -137,12 +186,17 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = cfg.inv_frequencies(self.layer)
         q = rotary_embedding(q, positions, inv_freq)
-        k = rotary_embedding(k, positions, inv_freq)
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache.k[layer], k.astype(cache.k[layer].dtype), cache_index, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache.v[layer], v.astype(cache.v[layer].dtype), cache_index, 1)
-            cache = KVCache(_replace(cache.k, layer, k), _replace(cache.v, layer, v))
-        out = attention(q, k, v, mask, scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
+        k = rotary_embedding(k, positions, inv_freq).transpose(0, 2, 1, 3)  # heads-major, as cached
+        v = v.transpose(0, 2, 1, 3)
+        settings = dict(scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
+        if isinstance(cache, GroupKVCache):
+            cache = GroupKVCache(cache.prompt, cache.own.write(layer, k, v, cache_index))
+            out = shared_prefix_attention(q, cache.prompt.layer(layer), cache.own.layer(layer), mask, **settings)
+        elif cache is not None:
+            cache = cache.write(layer, k, v, cache_index)
+            out = attention(q, cache.layer(layer), mask, **settings)
+        else:
+            out = attention(q, KV(k, v), mask, **settings)
         return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), cache
 
 
@@ -216,7 +270,8 @@ class Transformer(nnx.Module):
         """See `apply`."""
         cfg = self.config
         x = self.embed_tokens(tokens)
-        query_index = jnp.broadcast_to(cache_index + jnp.arange(tokens.shape[1]), tokens.shape)
+        first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
+        query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
         masks = {"full": causal_padding_mask(query_index, key_valid)}
         if cfg.sliding_window:
             masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
@@ -263,17 +318,18 @@ def apply(
     tokens: jax.Array,
     positions: jax.Array,
     key_valid: jax.Array,
-    cache: KVCache | None = None,
+    cache: KVCache | GroupKVCache | None = None,
     cache_index: int | jax.Array = 0,
-) -> tuple[jax.Array, KVCache | None]:
+) -> tuple[jax.Array, KVCache | GroupKVCache | None]:
     """Run the decoder over a segment of tokens.
 
     Args:
       tokens: `[batch, seq]` int.
       positions: `[batch, seq]` int rotary positions (padding excluded from the count).
-      key_valid: `[batch, key_len]` bool; key_len = seq without a cache, the cache's max_len with one.
+      key_valid: `[batch, key_len]` bool; key_len = seq without a cache, the cache's length with a `KVCache`,
+        `prompt_len + own_len` with a `GroupKVCache`.
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
-      cache_index: slot of `tokens[:, 0]` in the cache (scalar).
+      cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`; scalar).
 
     Returns:
       `(hidden [batch, seq, hidden_size], updated cache or None)`.

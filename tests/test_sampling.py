@@ -160,8 +160,8 @@ def test_bad_lengths_and_settings():
 
 
 def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tmp_path):
-    """200 RL steps on prompts of 2 to 6 operations: the sampler compiles a handful of programs (the
-    padded prompt length is fixed per run), reported in metrics.jsonl as sampler/compiled_programs."""
+    """200 RL steps on prompts of 2 to 6 operations: the sampler compiles a handful of programs (prompts are
+    padded to one of `data.prompt_buckets` lengths), reported in metrics.jsonl as sampler/compiled_programs."""
     from jaxrl import loop
     from jaxrl.config import Config
     from jaxrl.configlib import load_config
@@ -178,6 +178,18 @@ def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tm
     counts = [r["sampler/compiled_programs"] - before for r in read_metrics(tmp_path / "metrics.jsonl")
               if "sampler/compiled_programs" in r]
     assert len(counts) == 200 and counts[-1] <= 8, counts[-1]
+    lengths = {r["sampler/prompt_length"] for r in read_metrics(tmp_path / "metrics.jsonl")
+               if "sampler/prompt_length" in r}
+    assert len(lengths) >= 2, lengths  # the batches really were padded to different lengths
+
+
+def test_prompt_length_buckets():
+    from jaxrl.loop import prompt_length_buckets
+
+    assert prompt_length_buckets(300, 4) == (40, 80, 152, 304)
+    assert prompt_length_buckets(20, 4) == (8, 16, 24)  # distinct lengths only
+    assert prompt_length_buckets(5, 3) == (8,)
+    assert prompt_length_buckets(300, 1) == (304,)
 
 
 def test_inverse_cdf_sampling_follows_the_distribution():
@@ -190,3 +202,79 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert counts[1] == 0 and counts[4] == 0  # zero-probability entries are never drawn
     one_hot = jnp.zeros((3, 7)).at[:, 6].set(1.0)
     assert (np.asarray(inverse_cdf_sample(one_hot, jax.random.key(1))) == 6).all()
+
+
+def test_inverse_cdf_sampling_across_blocks():
+    """Two-level draw: blocks of 4 over 10 entries (a padded last block), an all-zero block in the middle."""
+    from jaxrl.sampling import inverse_cdf_sample
+
+    target = np.array([0.05, 0.0, 0.15, 0.1, 0.0, 0.0, 0.0, 0.0, 0.4, 0.3], np.float32)
+    probs = jnp.asarray(np.tile(target * 7.0, (40000, 1)))  # any total
+    draws = np.asarray(inverse_cdf_sample(probs, jax.random.key(3), block=4))
+    counts = np.bincount(draws, minlength=10) / draws.size
+    np.testing.assert_allclose(counts, target, atol=0.01)  # > 4 sigma at n = 40000
+    assert (counts[target == 0] == 0).all()
+    last_only = jnp.zeros((5, 10)).at[:, 9].set(1e-30)
+    assert (np.asarray(inverse_cdf_sample(last_only, jax.random.key(4), block=4)) == 9).all()
+
+
+def test_first_max_index_matches_argmax_with_ties():
+    from jaxrl.sampling import first_max_index
+
+    x = np.random.default_rng(0).integers(0, 5, (200, 33)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(first_max_index(jnp.asarray(x))), np.argmax(x, axis=-1))
+    assert int(first_max_index(jnp.full((1, 4), jnp.nan))[0]) == 3  # stays inside the vocabulary
+
+
+def test_decode_segments():
+    from jaxrl.sampling import decode_segments
+
+    assert decode_segments(128, 4) == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert decode_segments(40, 4) == [(0, 14), (14, 28), (28, 40)]  # segments of at least 16 steps (rounded)
+    assert decode_segments(10, 4) == [(0, 10)]
+    assert decode_segments(100, 1) == [(0, 100)]
+    with pytest.raises(ValueError, match="decode_segments must be >= 1"):
+        SamplingConfig(decode_segments=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'compute' or 'int8'"):
+        SamplingConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_segmented_decoding_gives_the_naive_tokens(group_size):
+    """40 new tokens in 3 segments (the cache grows between them) against one loop and the naive sampler."""
+    policy = models.init(CONFIG, 4)
+    tokens, valid = _prompts()
+    config = SamplingConfig(max_new_tokens=40, temperature=1.0, decode_segments=4)
+    key = jax.random.key(5)
+    segmented = sample(policy, tokens, valid, key, config, -1, PAD, group_size=group_size)
+    one_loop = sample(policy, tokens, valid, key, SamplingConfig(max_new_tokens=40, decode_segments=1), -1, PAD,
+                      group_size=group_size)
+    np.testing.assert_array_equal(segmented.completion_tokens, one_loop.completion_tokens)
+    np.testing.assert_allclose(segmented.sampler_logp, one_loop.sampler_logp, atol=1e-5)
+    np.testing.assert_array_equal(segmented.completion_tokens, _naive_sample(policy, tokens, valid, key, config,
+                                                                             group_size))
+
+
+def test_segments_stop_early_when_every_sequence_has_finished():
+    policy = models.init(CONFIG, 0)
+    tokens, valid = _prompts()
+    greedy = SamplingConfig(max_new_tokens=40, temperature=0.0, decode_segments=4)
+    eos = int(sample(policy, tokens, valid, jax.random.key(0), SamplingConfig(1, 0.0), -1, PAD).tokens[0, -1])
+    rollout = sample(policy, tokens[:1], valid[:1], jax.random.key(0), greedy, eos, PAD)
+    assert rollout.completion_mask[0].tolist() == [True] + [False] * 39
+    assert (rollout.completion_tokens[0, 1:] == PAD).all() and rollout.finish_reason[0] == FINISH_EOS
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_int8_kv_cache_log_probs_stay_close_to_the_policy(group_size):
+    """With an int8 cache the sampled tokens' log-probs stay within 0.02 nats of a full float32 forward pass."""
+    policy = models.init(CONFIG, 1)
+    tokens, valid = _prompts()
+    config = SamplingConfig(max_new_tokens=20, kv_cache_dtype="int8")
+    rollout = sample(policy, tokens, valid, jax.random.key(3), config, -1, PAD, group_size=group_size)
+    full_valid = jnp.concatenate([jnp.repeat(valid, group_size, 0), jnp.ones(rollout.completion_mask.shape, bool)], 1)
+    logp = jax.nn.log_softmax(models.forward(policy, rollout.tokens, full_valid), -1)
+    expected = jnp.take_along_axis(logp[:, tokens.shape[1] - 1:-1], rollout.completion_tokens[..., None], -1)[..., 0]
+    error = np.abs(np.asarray(rollout.sampler_logp - expected))
+    assert error.max() < 0.02, error.max()
+    assert error.max() > 0  # the cache really was quantized
