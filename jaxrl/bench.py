@@ -1,7 +1,8 @@
 """Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload.
 
     jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
-                       [--no-prefix-sharing | --compare] [--repeats 3]
+                       [--no-prefix-sharing | --compare] [--decode-segments N] [--kv-cache compute|int8]
+                       [--repeats 3]
 
 The workload: a policy with random weights (`--seed`), `prompts` prompts of `prompt_len` random token ids
 (numpy, fixed seed), `group` samples of each (prompts * group sequences), exactly `new_tokens` new tokens per
@@ -68,7 +69,7 @@ def _timed(fn) -> float:
 
 def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int = 64, group: int = 8,
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
-                 seed: int = 0, decode_segments: int | None = None) -> dict:
+                 seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute") -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
     `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`. Figures: `compile_s` (first call
@@ -97,12 +98,14 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     valid = jnp.ones(rows.shape, bool)
     key = jax.random.key(seed)
     kwargs = {"group_size": group} if shared else {}
-    segments = {} if decode_segments is None else {"decode_segments": decode_segments}
+    overrides = {"kv_cache_dtype": kv_cache_dtype}
+    if decode_segments is not None:
+        overrides["decode_segments"] = decode_segments
     sequences = prompts * group
 
     def call(n_new: int):
         sampling = SamplingConfig(max_new_tokens=n_new, temperature=temperature, top_k=0, top_p=1.0,
-                                  **segments)
+                                  **overrides)
         return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
 
     jax.block_until_ready(policy.params)
@@ -134,7 +137,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "generated_tokens": generated,
         "temperature": temperature,
         "prefix_sharing": shared,
-        "decode_segments": SamplingConfig(**segments).decode_segments,
+        "decode_segments": SamplingConfig(**overrides).decode_segments,
+        "kv_cache_dtype": kv_cache_dtype,
         "repeats": repeats,
         "seed": seed,
         "compile_s": max(first - call_s, 0.0),
@@ -222,7 +226,8 @@ def markdown_table(results: list[dict]) -> str:
 
 def _describe(r: dict) -> str:
     return (f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters, {r['dtype']}), prompt length "
-            f"{r['prompt_len']}, temperature {r['temperature']}, {r['repeats']} timed calls (median); "
+            f"{r['prompt_len']}, temperature {r['temperature']}, KV cache {r['kv_cache_dtype']}, "
+            f"{r['decode_segments']} decode segments, {r['repeats']} timed calls (median); "
             f"device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
 
 
@@ -241,6 +246,8 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run with and without prefix sharing (each in a fresh process), report the speedup")
     parser.add_argument("--decode-segments", type=int, default=None,
                         help="SamplingConfig.decode_segments (default: the sampler's default)")
+    parser.add_argument("--kv-cache", choices=("compute", "int8"), default="compute",
+                        help="SamplingConfig.kv_cache_dtype (default: compute)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default: 0)")
 
@@ -255,7 +262,7 @@ def run_sample(args: argparse.Namespace) -> int:
         return 2
     kwargs = dict(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, group=args.group,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
-                  decode_segments=args.decode_segments)
+                  decode_segments=args.decode_segments, kv_cache_dtype=args.kv_cache)
     try:
         if args.compare:
             result = compare_sample(**kwargs)

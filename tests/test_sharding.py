@@ -41,6 +41,30 @@ SCRIPT = textwrap.dedent("""
         rollout = sample(policy, t, v, jax.random.key(1), SamplingConfig(max_new_tokens=6), 3, 0)
         outs.append(np.asarray(rollout.tokens))
     assert all((o == outs[0]).all() for o in outs), "sampling must not depend on the mesh"
+
+    # Group sampling (each prompt's cache shared by its samples) with the prompts split over the data axes and
+    # the attention heads and MLP columns of the policy split over the tensor axis.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = make_mesh(2, 2, 2)
+    def place(path, x):
+        name = jax.tree_util.keystr(path)
+        if x.ndim == 2 and any(n in name for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            spec = P("tensor", None)  # [out, in]: heads / MLP columns over the tensor axis
+        elif x.ndim == 2 and any(n in name for n in ("o_proj", "down_proj")):
+            spec = P(None, "tensor")
+        else:
+            spec = P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    policy = models.init(config, 0)
+    sharded = policy.replace(params=jax.tree_util.tree_map_with_path(place, policy.params))
+    q_proj = sharded.params["layers"][0]["self_attn"]["q_proj"]["weight"][...]
+    assert {s.data.shape for s in q_proj.addressable_shards} == {(16, 32)}, "heads are split over tensor=2"
+    grouped = SamplingConfig(max_new_tokens=6, temperature=1.0)
+    one = sample(policy, tokens[:4], valid[:4], jax.random.key(2), grouped, 3, 0, group_size=2)
+    t, v = shard_batch((tokens[:4], valid[:4]), mesh)
+    many = sample(sharded, t, v, jax.random.key(2), grouped, 3, 0, group_size=2)
+    assert (np.asarray(one.tokens) == np.asarray(many.tokens)).all(), "sharded group sampling differs"
+    assert np.allclose(np.asarray(one.sampler_logp), np.asarray(many.sampler_logp), atol=1e-5)
     try:
         shard_batch(np.zeros((6, 2)), make_mesh(4, 2, 1))
     except ValueError as e:
