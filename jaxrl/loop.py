@@ -33,7 +33,7 @@ from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
-from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample
+from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import make_mesh, replicate, shard_batch
 from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, left_pad, load_tokenizer, round_up,
                              train_tokenizer)
@@ -64,13 +64,16 @@ class Generator:
     mesh: jax.sharding.Mesh
     chat_template: bool = False
     system_prompt: str | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a completion
 
     @classmethod
     def fitting(cls, prompts: Sequence[str], tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
-                system_prompt: str | None = None, buckets: int = 4) -> "Generator":
+                system_prompt: str | None = None, buckets: int = 4,
+                stop_strings: Sequence[str] = ()) -> "Generator":
         """A generator whose longest padded prompt length fits every one of `prompts`, with `buckets`
-        lengths in all (`prompt_length_buckets`)."""
-        generate = cls(tokenizer, (), mesh, chat_template, system_prompt)
+        lengths in all (`prompt_length_buckets`), stopping at `stop_strings` (`stop_sequences_for`)."""
+        generate = cls(tokenizer, (), mesh, chat_template, system_prompt,
+                       stop_sequences_for(tokenizer, stop_strings))
         longest = max(map(len, map(generate.prompt_tokens, prompts)))
         return dataclasses.replace(generate, prompt_lengths=prompt_length_buckets(longest, buckets))
 
@@ -101,7 +104,8 @@ class Generator:
             tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
         tokens, valid = shard_batch((tokens, valid), self.mesh)
         rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids,
-                                        self.tokenizer.pad_id, temperature, group_size=group_size))
+                                        self.tokenizer.pad_id, temperature, group_size=group_size,
+                                        stop_sequences=self.stop_sequences))
         texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
         return rollout, texts
 
@@ -271,7 +275,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
     generate = Generator.fitting([p.prompt for p in train_problems + eval_problems], tokenizer, mesh,
-                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets)
+                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
+                                 config.tokenizer.stop_strings)
     times["data_time_s"] = time.perf_counter() - t0
     reward_fn = REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens

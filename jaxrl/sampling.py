@@ -163,6 +163,7 @@ def sample(
     temperature: jax.Array | None = None,
     *,
     group_size: int = 1,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
 ) -> Rollout:
     """Sample `group_size` completions per prompt row.
 
@@ -179,13 +180,19 @@ def sample(
         temperature controllers; ignored for greedy configs.
       group_size: samples per prompt (static): row `p * group_size + g` of the rollout is sample g of prompt
         p. Each prompt is prefilled once; the result equals sampling `jnp.repeat(prompts, group_size, 0)`.
+      stop_sequences: token id sequences that end a completion when its last tokens equal one (static; e.g.
+        a stop string's encoding: `stop_sequences_for`). The sequence is part of the completion;
+        `finish_reason` is FINISH_EOS.
 
     Raises `ValueError` before compiling for an empty prompt, a token id outside the vocabulary, a prompt
     plus `max_new_tokens` beyond the model's `max_position_embeddings`, or `group_size < 1`.
     """
     _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
+    stop_sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences)
+    if any(not seq for seq in stop_sequences):
+        raise ValueError("stop_sequences: every stop sequence needs at least one token id")
     return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
-                   group_size=group_size)
+                   group_size=group_size, stop_sequences=stop_sequences)
 
 
 def compiled_programs() -> int:
@@ -234,9 +241,32 @@ def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]
     return [(start, min(start + length, max_new_tokens)) for start in range(0, max_new_tokens, length)]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size"))
+def stop_sequences_for(tokenizer, stop_strings) -> tuple[tuple[int, ...], ...]:
+    """Each stop string's token ids, as the tokenizer encodes it on its own (no BOS).
+
+    Matching is on tokens, inside the jitted decode loop. A model that writes the string with other tokens
+    (a BPE merge with the text around it) is not stopped by it. Vocabulary tokens such as `<|im_end|>` go in
+    `stop_ids` instead.
+    """
+    sequences = []
+    for text in stop_strings:
+        ids = tuple(tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"stop string {text!r} encodes to no tokens")
+        sequences.append(ids)
+    return tuple(sequences)
+
+
+def _ends_with_stop(recent: jax.Array, stop_sequences: tuple[tuple[int, ...], ...]) -> jax.Array:
+    """`[batch]` bool: the last tokens `recent [batch, K]` end with one of `stop_sequences` (lengths <= K)."""
+    width = recent.shape[1]
+    hits = [jnp.all(recent[:, width - len(seq):] == jnp.asarray(seq, jnp.int32), axis=1) for seq in stop_sequences]
+    return jnp.any(jnp.stack(hits), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size", "stop_sequences"))
 def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id, temperature,
-            *, group_size: int) -> Rollout:
+            *, group_size: int, stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Rollout:
     stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
     num_prompts, prompt_len = prompt_tokens.shape
     batch, max_new = num_prompts * group_size, config.max_new_tokens
@@ -262,6 +292,11 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
             policy_logps = policy_logps.at[:, step].set(jnp.where(done, 0.0, raw))
         mask = mask.at[:, step].set(~done)
         done = done | jnp.isin(token, stop_ids)
+        if stop_sequences:  # the completion's last tokens (-1 before its start: never part of a match)
+            width = max(map(len, stop_sequences))
+            window = jax.lax.dynamic_slice_in_dim(jnp.pad(tokens, ((0, 0), (width, 0)), constant_values=-1),
+                                                  step + 1, width, axis=1)
+            done = done | _ends_with_stop(window, stop_sequences)
         hidden, cache = models.apply(policy, token[:, None], (next_position + step)[:, None], key_valid, cache,
                                      step)
         logits = models.logits_from_hidden(policy, hidden)[:, 0]

@@ -57,6 +57,7 @@ def pretrained_run(tmp_path_factory):
         "data.system_prompt='Think, then answer.'", "sft.steps=0", "rl.steps=2", "rl.prompts_per_step=4",
         "rl.group_size=4", "rl.sampling.max_new_tokens=12", "eval.every=0", "eval.batch_size=8",
         "checkpoint.every=0", "reward.function=math", "progress=false", f"output_dir={tmp / 'run'}",
+        "tokenizer.stop_strings=['####']",
     ]
     config = load_config(Config, None, overrides)
     return tmp, config, loop.run(config)
@@ -66,6 +67,7 @@ def test_run_from_a_hugging_face_checkpoint(pretrained_run):
     tmp, config, summary = pretrained_run
     assert summary["num_parameters"] == models.num_parameters(models.load_config(tmp / "qwen"))
     assert summary["num_eval_problems"] == 8 and 0.0 <= summary["accuracy_after_rl"] <= 1.0
+    assert config.tokenizer.stop_strings == ("####",)
     # The exported directory is the trained policy: equal to the final orbax checkpoint, loadable again.
     exported = models.from_pretrained(tmp / "run" / "hf", progress=False)
     manager = ocp.CheckpointManager(tmp / "run" / "checkpoints")

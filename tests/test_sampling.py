@@ -278,3 +278,39 @@ def test_int8_kv_cache_log_probs_stay_close_to_the_policy(group_size):
     error = np.abs(np.asarray(rollout.sampler_logp - expected))
     assert error.max() < 0.02, error.max()
     assert error.max() > 0  # the cache really was quantized
+
+
+def test_stop_sequences_end_completions_and_match_only_inside_them():
+    policy = models.init(CONFIG, 0)
+    tokens, valid = _prompts()
+    greedy = SamplingConfig(max_new_tokens=10, temperature=0.0)
+    free = sample(policy, tokens, valid, jax.random.key(0), greedy, -1, PAD)
+    completion = np.asarray(free.completion_tokens)
+    stop = tuple(int(t) for t in completion[0, 2:4])
+    stopped = sample(policy, tokens, valid, jax.random.key(0), greedy, -1, PAD, stop_sequences=(stop,))
+    first = next(i for i in range(1, 10) if tuple(completion[0, i - 1:i + 1]) == stop)  # the earliest match
+    assert np.asarray(stopped.completion_mask[0]).tolist() == [True] * (first + 1) + [False] * (9 - first)
+    assert int(stopped.finish_reason[0]) == FINISH_EOS
+    for row in range(1, 3):  # rows whose greedy completion never contains the sequence are untouched
+        if not any(tuple(completion[row, i - 1:i + 1]) == stop for i in range(1, 10)):
+            np.testing.assert_array_equal(stopped.completion_tokens[row], completion[row])
+    # the prompt's last token followed by the first completion token is not a match: stops look only inside
+    # the completion
+    spanning = (int(tokens[0, -1]), int(completion[0, 0]))
+    if spanning not in {tuple(completion[0, i - 1:i + 1]) for i in range(1, 10)}:
+        run = sample(policy, tokens, valid, jax.random.key(0), greedy, -1, PAD, stop_sequences=(spanning,))
+        assert bool(run.completion_mask[0].all())
+    with pytest.raises(ValueError, match="at least one token id"):
+        sample(policy, tokens, valid, jax.random.key(0), greedy, -1, PAD, stop_sequences=((),))
+
+
+def test_stop_sequences_for_encodes_each_string():
+    from jaxrl.sampling import stop_sequences_for
+
+    class Tokenizer:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert stop_sequences_for(Tokenizer(), ["</a>", "\n\n"]) == ((60, 47, 97, 62), (10, 10))
+    with pytest.raises(ValueError, match="stop string '' encodes to no tokens"):
+        stop_sequences_for(Tokenizer(), [""])
