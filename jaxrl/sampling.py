@@ -1,10 +1,13 @@
 """Jitted autoregressive sampling over an explicit KV cache.
 
-One call = one prefill of the (left-padded) prompts followed by a `lax.while_loop` decode that stops when
-every sequence has emitted a stop token or `max_new_tokens` tokens exist. With `group_size=G`, each distinct
-prompt is prefilled once and its KV cache broadcast to its G samples (GRPO's group), instead of prefilling
-G identical copies. Everything that crosses the jit boundary is an explicit pytree (policy params, prompts,
-RNG key); the cache lives in the loop carry. Bad inputs are rejected on the host before anything compiles.
+One call = one prefill of the distinct (left-padded) prompts, then a decode that stops when every sequence
+has emitted a stop token or stop sequence, or `max_new_tokens` tokens exist. With `group_size=G`, the G
+samples of a prompt share its prefill and its KV cache (`models.GroupKVCache`): the prompt's keys are held
+once, not copied G times, and attention reads them once per group (`kernels.attention.shared_prefix_attention`).
+The decode runs as a few `lax.while_loop` segments over a cache that grows between them, so early steps do
+not attend over the empty tail of the cache. Everything that crosses the jit boundary is an explicit pytree
+(policy params, prompts, RNG key); the cache lives in the loop carry. Bad inputs are rejected on the host
+before anything compiles.
 """
 
 from __future__ import annotations
