@@ -1,4 +1,5 @@
-"""Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload.
+"""Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload, and
+`jaxrl bench train [options]`, the RL train step's (`bench_train`).
 
     jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
                        [--no-prefix-sharing | --compare] [--decode-segments N] [--kv-cache compute|int8]
@@ -160,6 +161,104 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     }
 
 
+def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int = 64, completion_len: int = 128,
+                micro_batches: int = 1, repeats: int = 3, seed: int = 0) -> dict:
+    """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
+
+    The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
+    tokens; completion log-probs (`kernels.token_logprobs`); the token-level clipped policy loss (PPO clip
+    0.2 on both sides, token-mean) with random per-sequence advantages and fixed old log-probs (the initial
+    policy's); backward; global-norm clipping and AdamW. `tokens_per_s` is sequences * (prompt_len +
+    completion_len) / the median of `repeats` steps after the first (compiling) one.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import models
+    from jaxrl import losses
+    from jaxrl.train import completion_logprobs, init_train_state, make_optimizer, make_rl_step
+
+    for name, value in (("sequences", sequences), ("prompt_len", prompt_len), ("completion_len", completion_len),
+                        ("micro_batches", micro_batches), ("repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if sequences % micro_batches:
+        raise ValueError(f"sequences ({sequences}) must be divisible by micro_batches ({micro_batches})")
+    model_name, config = _model_config(model)
+    policy = models.init(config, seed)
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (sequences, prompt_len + completion_len)), jnp.int32)
+    prompt_valid = jnp.ones((sequences, prompt_len), bool)
+    old_logp, _ = jax.jit(completion_logprobs)(policy, tokens, prompt_valid)
+    advantages = np.repeat(rng.standard_normal((sequences, 1)).astype(np.float32), completion_len, axis=1)
+    batch = {"tokens": tokens, "prompt_valid": prompt_valid, "old_logp": old_logp,
+             "advantages": jnp.asarray(advantages), "loss_mask": jnp.ones((sequences, completion_len), bool)}
+    optimizer = make_optimizer(learning_rate=1e-5)
+    loss = losses.policy_term("ppo_clip", ratio="token", aggregation="token-mean", eps_low=0.2, eps_high=0.2)
+    step = make_rl_step(optimizer, loss, micro_batches=micro_batches)
+    controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    state = jax.block_until_ready(init_train_state(policy, optimizer))
+
+    start = time.perf_counter()
+    state, metrics = jax.block_until_ready(step(state, batch, controls))
+    first = time.perf_counter() - start
+    if not np.isfinite(float(metrics["policy_loss"])):
+        raise RuntimeError(f"the benchmark step's loss is not finite: {float(metrics['policy_loss'])}")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = jax.block_until_ready(step(state, batch, controls))
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    peak, peak_source = _peak_memory()
+    device = jax.devices()[0]
+    return {
+        "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
+        "dtype": config.dtype, "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
+        "micro_batches": micro_batches, "repeats": repeats, "seed": seed,
+        "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s, "step_times_s": times,
+        "tokens_per_s": sequences * (prompt_len + completion_len) / step_s,
+        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "platform": device.platform,
+        "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
+        "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
+    }
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "--preset", dest="model", default="bench-small",
+                        help="model preset (default: bench-small)")
+    parser.add_argument("--sequences", type=int, default=64, help="sequences per step (default: 64)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per sequence (default: 64)")
+    parser.add_argument("--completion-len", type=int, default=128,
+                        help="completion tokens per sequence (default: 128)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation (default: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps after the warm-up (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Handler of `jaxrl bench train`: one JSON line, then a markdown table. Bad arguments -> exit 2."""
+    try:
+        r = bench_train(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
+                        completion_len=args.completion_len, micro_batches=args.micro_batches,
+                        repeats=args.repeats, seed=args.seed)
+    except (ValueError, RuntimeError) as e:
+        print(f"jaxrl: bench error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r), flush=True)
+    print()
+    print("| model | sequences x tokens | training tokens/s | step time | compile | peak memory |\n"
+          "|---|---|---|---|---|---|")
+    print(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}) | {r['sequences']} x "
+          f"({r['prompt_len']} + {r['completion_len']}) | {r['tokens_per_s']:.1f} | {r['step_s']:.3f} s "
+          f"| {r['compile_s']:.2f} s | {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
+    print()
+    print(f"token-level clipped policy loss (clip 0.2, token-mean), AdamW; median of {r['repeats']} steps after a "
+          f"warm-up; device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
+    return 0
+
+
 def _jaxlib_version() -> str | None:
     try:
         import jaxlib
@@ -290,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="sampler throughput, time to first token, memory")
     add_sample_arguments(sample)
     sample.set_defaults(handler=run_sample)
+    train = commands.add_parser("train", help="RL train-step throughput, compile time, memory")
+    add_train_arguments(train)
+    train.set_defaults(handler=run_train)
     return parser
 
 

@@ -64,8 +64,14 @@ def _bench_sample(args: argparse.Namespace) -> int:
     return run_sample(args)
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    from jaxrl.bench import run_train
+
+    return run_train(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from jaxrl.bench import add_sample_arguments  # standard library only at import
+    from jaxrl.bench import add_sample_arguments, add_train_arguments  # standard library only at import
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
@@ -102,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "(group_size=G); --no-prefix-sharing repeats every prompt G times (the baseline).")
     add_sample_arguments(sample)
     sample.set_defaults(handler=_bench_sample)
+    train = benchmarks.add_parser(
+        "train", help="RL train-step throughput, compile time, peak memory",
+        description="Time one RL optimizer step: S sequences of prompt + completion tokens, completion "
+                    "log-probs, token-level clipped policy loss (clip 0.2, token-mean) with random per-sequence "
+                    "advantages and fixed old log-probs, backward, AdamW. Training tokens/s = S x (prompt + "
+                    "completion) / median step time.")
+    add_train_arguments(train)
+    train.set_defaults(handler=_bench_train)
     return parser
 
 

@@ -64,3 +64,22 @@ def test_cli_bench_sample_errors(capsys):
     with pytest.raises(SystemExit):  # argparse: --compare and --no-prefix-sharing exclude each other
         cli.main(["bench", "sample", "--compare", "--no-prefix-sharing"])
 
+
+
+def test_bench_train_tiny_config_and_cli(capsys):
+    result = bench.bench_train(model=TINY, sequences=4, prompt_len=5, completion_len=6, micro_batches=2, repeats=2)
+    assert result["benchmark"] == "train" and result["parameters"] == models.num_parameters(TINY)
+    for key in ("compile_s", "first_step_s", "step_s", "tokens_per_s", "peak_memory_bytes"):
+        assert math.isfinite(result[key]) and result[key] >= 0, (key, result[key])
+    assert result["tokens_per_s"] == pytest.approx(4 * 11 / result["step_s"]) and len(result["step_times_s"]) == 2
+    with pytest.raises(ValueError, match="divisible by micro_batches"):
+        bench.bench_train(model=TINY, sequences=3, micro_batches=2)
+
+    argv = ["bench", "train", "--preset", "tiny", "--sequences", "2", "--prompt-len", "4", "--completion-len", "4",
+            "--repeats", "1"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads(lines[0])
+    assert result["model"] == "tiny" and result["sequences"] == 2 and result["tokens_per_s"] > 0
+    assert any(line.startswith("| model |") for line in lines)
+    assert cli.main(["bench", "train", "--preset", "tiny", "--sequences", "0"]) == 2
