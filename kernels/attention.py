@@ -1,8 +1,14 @@
-"""Grouped-query attention (XLA reference implementation).
+"""Grouped-query attention: one reference in XLA, fast kernels where a backend has them.
 
-`attention` serves training (no cache: keys are the queries' own tokens) and decoding (keys come from a KV
-cache); `shared_prefix_attention` serves group sampling, where the samples of a prompt share its keys.
-Backend-specific fast paths (cuDNN, Pallas) plug in behind these later.
+- `self_attention` serves training, log-probs and prefill (no cache: keys are the queries' own tokens). It
+  dispatches by `implementation` (`resolve_implementation`: `auto` picks by backend):
+  - the XLA reference;
+  - `jax.nn.dot_product_attention`'s cuDNN kernel on NVIDIA GPUs;
+  - JAX's Pallas splash attention on TPUs (interpret mode elsewhere, for tests).
+- `attention` (a dense mask over a KV cache) serves decoding.
+- `shared_prefix_attention` serves group sampling, where the samples of a prompt share its keys.
+
+A Pallas decode kernel would only earn its place by beating the XLA decode on a measured GPU.
 """
 
 from __future__ import annotations
@@ -146,3 +152,99 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array, head_dim: int, scale: fl
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(scores, axis=-1)
+
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+
+
+def resolve_implementation(implementation: str = "auto", backend: str | None = None) -> str:
+    """The self-attention kernel to use: `auto` -> cuDNN on NVIDIA GPUs, Pallas splash attention on TPUs, XLA
+    elsewhere (CPU, ROCm); any other name is kept."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; choose from "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    if implementation != "auto":
+        return implementation
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "splash"
+    if backend in ("gpu", "cuda") and "rocm" not in jax.devices()[0].client.platform_version.lower():
+        return "cudnn"
+    return "xla"
+
+
+def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *, scale: float | None = None,
+                   softcap: float | None = None, window: int | None = None, implementation: str = "xla",
+                   interpret: bool = False) -> jax.Array:
+    """Causal self-attention of a left-padded batch without a cache (training, log-probs, prefill).
+
+    Args:
+      q: `[batch, seq, num_heads, head_dim]`.
+      k, v: `[batch, seq, num_kv_heads, head_dim]` (token-major, as projected).
+      valid: `[batch, seq]` bool, False on padding: no query sees a padding key.
+      scale, softcap: as in `attention`.
+      window: sliding window (key j visible to query i iff `i - window < j <= i`); None: full causal.
+      implementation: `xla` (the reference, `attention` with a dense mask), `cudnn`
+        (`jax.nn.dot_product_attention`'s cuDNN kernel, NVIDIA GPUs) or `splash` (JAX's Pallas splash attention,
+        TPUs). cuDNN has no soft-capping: with `softcap` it falls back to `xla`.
+      interpret: run the Pallas kernel in interpret mode (always so off TPU: tests on CPU).
+
+    Returns:
+      `[batch, seq, num_heads, head_dim]` in q's dtype. Rows of padding queries are unspecified.
+    """
+    if implementation == "cudnn" and softcap is None:
+        return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
+    if implementation == "splash":
+        interpret = interpret or jax.default_backend() != "tpu"
+        return _splash_self_attention(q, k, v, valid, scale, softcap, window, interpret)
+    if implementation not in ("xla", "cudnn"):
+        raise ValueError(f"unknown attention implementation {implementation!r}; choose from xla, cudnn, splash")
+    seq = q.shape[1]
+    query_index = jnp.broadcast_to(jnp.arange(seq), valid.shape)
+    mask = causal_padding_mask(query_index, valid)
+    if window is not None:
+        mask = mask & sliding_window_mask(query_index, seq, window)
+    return attention(q, KV(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), mask, scale=scale, softcap=softcap)
+
+
+def _cudnn_self_attention(q, k, v, valid, scale, window, implementation):
+    """`jax.nn.dot_product_attention` (GQA native); padding as a `[batch, 1, 1, seq]` key mask."""
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=valid[:, None, None, :], scale=scale if scale is not None else q.shape[-1] ** -0.5,
+        is_causal=True, local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation)
+
+
+SPLASH_BLOCK = 128  # TPU lanes: sequence blocks of the splash kernel
+
+
+def _splash_self_attention(q, k, v, valid, scale, softcap, window, interpret):
+    """JAX's Pallas splash attention, one MQA kernel per KV head (GQA); padding as segment 0, the sequence
+    padded at the end to a multiple of `SPLASH_BLOCK` (those slots are segment 0 too and come after every
+    real token, so causality hides them)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    groups = num_heads // num_kv_heads
+    padded = -(-seq // SPLASH_BLOCK) * SPLASH_BLOCK
+    extra = ((0, 0), (0, padded - seq), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, extra) for x in (q, k, v))
+    segments = jnp.pad(valid, ((0, 0), (0, padded - seq))).astype(jnp.int32)
+    shape = (padded, padded)
+    head_mask = masks.CausalMask(shape) if window is None else masks.LocalMask(shape, (window - 1, 0), 0)
+    block = splash.BlockSizes(*(SPLASH_BLOCK,) * 8)
+    kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([head_mask] * groups), block_sizes=block,
+                                                  attn_logits_soft_cap=softcap, interpret=interpret)
+    scale = head_dim ** -0.5 if scale is None else scale
+    # [batch, kv, groups, seq, head_dim] queries against [batch, kv, seq, head_dim] keys, one kernel per (b, kv)
+    q = (q * scale).astype(q.dtype).reshape(batch, padded, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def one(q_kv, k_kv, v_kv, segment):
+        return kernel(q_kv, k_kv, v_kv, splash.SegmentIds(q=segment, kv=segment))
+
+    per_kv = jax.vmap(one, in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_kv)(q, k, v, segments)  # [batch, kv, groups, padded, head_dim]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, padded, num_heads, head_dim)[:, :seq]

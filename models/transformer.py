@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention,
-                               sliding_window_mask)
+from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, resolve_implementation,
+                               self_attention, shared_prefix_attention, sliding_window_mask)
 from models.configs import ModelConfig
 
 _INIT = nnx.initializers.normal(stddev=0.02)
@@ -175,7 +175,8 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask, cache, cache_index, layer):
         """x `[batch, seq, hidden]`; `cache`: a `KVCache`, a `GroupKVCache` or None. The segment's keys and
         values are written into this layer's slots `[cache_index, cache_index + seq)` (of the `own` part of a
-        `GroupKVCache`). Returns `(out [batch, seq, hidden], cache)`."""
+        `GroupKVCache`). `mask`: `[batch, seq, key_len]` bool with a cache, `(key_valid, window)` without.
+        Returns `(out [batch, seq, hidden], cache)`."""
         cfg = self.config
         batch, seq, _ = x.shape
         flat = x.reshape(batch * seq, -1)
@@ -186,17 +187,21 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = cfg.inv_frequencies(self.layer)
         q = rotary_embedding(q, positions, inv_freq)
-        k = rotary_embedding(k, positions, inv_freq).transpose(0, 2, 1, 3)  # heads-major, as cached
-        v = v.transpose(0, 2, 1, 3)
+        k = rotary_embedding(k, positions, inv_freq)
         settings = dict(scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
-        if isinstance(cache, GroupKVCache):
-            cache = GroupKVCache(cache.prompt, cache.own.write(layer, k, v, cache_index))
-            out = shared_prefix_attention(q, cache.prompt.layer(layer), cache.own.layer(layer), mask, **settings)
-        elif cache is not None:
-            cache = cache.write(layer, k, v, cache_index)
-            out = attention(q, cache.layer(layer), mask, **settings)
+        if cache is None:  # `mask` is (key_valid [batch, seq], sliding window or None)
+            key_valid, window = mask
+            out = self_attention(q, k, v, key_valid, window=window,
+                                 implementation=resolve_implementation(cfg.attention_impl), **settings)
         else:
-            out = attention(q, KV(k, v), mask, **settings)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major, as cached
+            if isinstance(cache, GroupKVCache):
+                cache = GroupKVCache(cache.prompt, cache.own.write(layer, k, v, cache_index))
+                out = shared_prefix_attention(q, cache.prompt.layer(layer), cache.own.layer(layer), mask,
+                                              **settings)
+            else:
+                cache = cache.write(layer, k, v, cache_index)
+                out = attention(q, cache.layer(layer), mask, **settings)
         return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), cache
 
 
@@ -220,6 +225,7 @@ class Block(nnx.Module):
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.post_norms, self.sliding = config.post_norms, config.layer_type(layer) == "sliding"
+        self.window = config.sliding_window
         d = config.hidden_size
         self.input_layernorm = RMSNorm(d, config)
         self.self_attn = Attention(config, layer, rngs=rngs)
@@ -230,7 +236,10 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, masks, cache, cache_index, layer):
-        mask = masks["sliding" if self.sliding else "full"]
+        if cache is None:  # the kernel builds its own mask from the padding and the window
+            mask = (masks["valid"], self.window if self.sliding else None)
+        else:
+            mask = masks["sliding" if self.sliding else "full"]
         h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, layer)
         if self.post_norms:
             h = self.post_attention_layernorm(h)
@@ -272,7 +281,7 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
         query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
-        masks = {"full": causal_padding_mask(query_index, key_valid)}
+        masks = {"full": causal_padding_mask(query_index, key_valid), "valid": key_valid}
         if cfg.sliding_window:
             masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
                                                                    cfg.sliding_window)

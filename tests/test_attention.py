@@ -78,3 +78,74 @@ def test_bfloat16_shared_prefix_attention_close_to_float32():
     out = shared_prefix_attention(*as_bf16, mask)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), attention(q, _repeated(prefix, own), mask), atol=2e-2)
+
+
+def _self_attention_case(dtype, seq=40, heads=4, kv_heads=2, head_dim=16, batch=2):
+    rng = np.random.default_rng(seq)
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, h, head_dim)), dtype)
+               for h in (heads, kv_heads, kv_heads))
+    valid = np.ones((batch, seq), bool)
+    valid[1, :9] = False  # left padding
+    return q, k, v, jnp.asarray(valid)
+
+
+SELF_CASES = [dict(), dict(window=7), dict(softcap=3.0), dict(window=5, softcap=2.0, scale=0.2)]
+
+
+@pytest.mark.parametrize("case", SELF_CASES)
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-3)])
+def test_splash_self_attention_in_interpret_mode_matches_xla(case, dtype, tolerance):
+    from kernels.attention import self_attention
+
+    q, k, v, valid = _self_attention_case(dtype)
+    splash = self_attention(q, k, v, valid, implementation="splash", interpret=True, **case)
+    assert splash.dtype == dtype
+    real = np.asarray(valid)[..., None, None]  # padding query rows are unspecified
+    # the float32 reference on the same (bf16-rounded) inputs
+    exact = self_attention(*(x.astype(jnp.float32) for x in (q, k, v)), valid, **case)
+    difference = np.where(real, np.asarray(splash, np.float32) - np.asarray(exact), 0)
+    if dtype == jnp.float32:
+        assert np.abs(difference).max() <= tolerance, np.abs(difference).max()
+    else:  # bf16 keeps 8 bits: one output rounding alone is up to 2e-3 relative, so compare norms
+        relative = np.linalg.norm(difference) / np.linalg.norm(np.where(real, exact, 0))
+        xla = self_attention(q, k, v, valid, **case).astype(jnp.float32)
+        xla_relative = np.linalg.norm(np.where(real, xla - exact, 0)) / np.linalg.norm(np.where(real, exact, 0))
+        assert relative <= tolerance, (relative, xla_relative)
+
+
+def test_splash_gradients_match_xla():
+    from kernels.attention import self_attention
+
+    q, k, v, valid = _self_attention_case(jnp.float32, seq=24)
+    weights = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape), jnp.float32) * valid[..., None, None]
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(self_attention(q, k, v, valid, window=9, implementation=impl,
+                                                      interpret=True) * weights)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_cudnn_path_arguments_match_xla(window):
+    """The cuDNN path is `jax.nn.dot_product_attention`: its XLA implementation, with the same arguments,
+    checks the masks, GQA, scale and window the wrapper passes (the kernel itself needs an NVIDIA GPU)."""
+    from kernels.attention import _cudnn_self_attention, self_attention
+
+    q, k, v, valid = _self_attention_case(jnp.float32)
+    got = _cudnn_self_attention(q, k, v, valid, 0.3, window, "xla")
+    want = self_attention(q, k, v, valid, scale=0.3, window=window)
+    real = np.asarray(valid)[..., None, None]
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_resolve_implementation():
+    from kernels.attention import resolve_implementation
+
+    assert resolve_implementation("auto", "cpu") == "xla"
+    assert resolve_implementation("auto", "tpu") == "splash"
+    assert resolve_implementation("splash", "cpu") == "splash"
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        resolve_implementation("flash")
