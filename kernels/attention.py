@@ -85,8 +85,8 @@ def attention(q: jax.Array, kv: KV, mask: jax.Array, *, scale: float | None = No
     per_row = (slice(None), slice(None), None, None)  # [batch, kv, len] scales -> [b, k, q, g, len]
     scores = _scores("bqkgd,bksd->bkqgs", q, kv.k, kv.k_scale, per_row)
     weights = _masked_softmax(scores, mask[:, None, :, None], head_dim, scale, softcap)
-    out = _weighted_values("bkqgs,bksd->bkqgd", weights, kv.v, kv.v_scale, per_row, q.dtype)
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
+    out = _weighted_values("bkqgs,bksd->bkqgd", weights, kv.v, kv.v_scale, per_row)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
 def shared_prefix_attention(q: jax.Array, prefix: KV, own: KV, mask: jax.Array, *, scale: float | None = None,
@@ -124,10 +124,10 @@ def shared_prefix_attention(q: jax.Array, prefix: KV, own: KV, mask: jax.Array, 
     weights = _masked_softmax(scores, mask[:, None, :, None], head_dim, scale, softcap)  # [b, k, q, g, s]
     prefix_weights = weights[..., :prefix_len].reshape(prompts, group, num_kv_heads, q_len, groups, prefix_len)
     from_prefix = _weighted_values("pjkqgs,pksd->pkjqgd", prefix_weights, prefix.v, prefix.v_scale,
-                                   (slice(None), None, slice(None), None, None), q.dtype)
-    from_own = _weighted_values("bkqgs,bksd->bkqgd", weights[..., prefix_len:], own.v, own.v_scale, per_row, q.dtype)
+                                   (slice(None), None, slice(None), None, None))
+    from_own = _weighted_values("bkqgs,bksd->bkqgd", weights[..., prefix_len:], own.v, own.v_scale, per_row)
     out = from_prefix.transpose(0, 2, 3, 1, 4, 5).reshape(batch, q_len, num_kv_heads, groups, head_dim)
-    return (out + from_own.transpose(0, 2, 1, 3, 4)).reshape(batch, q_len, num_heads, head_dim)
+    return (out + from_own.transpose(0, 2, 1, 3, 4)).reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 
 def _scores(spec: str, q: jax.Array, k: jax.Array, k_scale: jax.Array | None, expand: tuple) -> jax.Array:
@@ -136,12 +136,13 @@ def _scores(spec: str, q: jax.Array, k: jax.Array, k_scale: jax.Array | None, ex
     return scores if k_scale is None else scores * k_scale[(*expand, slice(None))]
 
 
-def _weighted_values(spec: str, weights: jax.Array, v: jax.Array, v_scale: jax.Array | None, expand: tuple,
-                     dtype) -> jax.Array:
-    """`weights . v` in `dtype` (an int8 `v`'s per-key scale folded into the float32 weights first)."""
+def _weighted_values(spec: str, weights: jax.Array, v: jax.Array, v_scale: jax.Array | None,
+                     expand: tuple) -> jax.Array:
+    """float32 `weights . v` (an int8 `v`'s per-key scale folded into the float32 weights first). Callers
+    round to the compute dtype once, at the end."""
     if v_scale is not None:
         weights = weights * v_scale[(*expand, slice(None))]
-    return jnp.einsum(spec, weights.astype(dtype), v.astype(dtype))
+    return jnp.einsum(spec, weights, v.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 def _masked_softmax(scores: jax.Array, mask: jax.Array, head_dim: int, scale: float | None,
