@@ -32,6 +32,8 @@ class PretrainedConfig:
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # parameters; None: the checkpoint's own
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None  # activations; None: as dtype
     export_hf: bool = True  # write the trained policy as a Hugging Face directory to <output_dir>/hf
+    # self-attention kernel for the loaded policy (see model.attention_impl): auto, xla, cudnn or splash
+    attention_impl: Literal["auto", "xla", "cudnn", "splash"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

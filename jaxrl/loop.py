@@ -351,6 +351,7 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], mesh) -> tuple[mode
                              mesh=mesh, progress=config.progress)
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
+    policy = models.replace_config(policy, attention_impl=pretrained.attention_impl)
     tokenizer_path = config.tokenizer.path or _hf_files(pretrained.path)
     if tokenizer_path is None:
         raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")

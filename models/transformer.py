@@ -14,6 +14,7 @@ plain pytree of arrays, and `apply` / `forward` take them back explicitly togeth
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -320,6 +321,17 @@ def abstract(config: ModelConfig) -> Policy:
     config.validate()
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     return Policy(graphdef, config, params)
+
+
+def replace_config(policy: Policy, **changes) -> Policy:
+    """The policy with config fields changed that leave its parameters as they are (`attention_impl`, the
+    compute `dtype`, ...): the modules are rebuilt from the new config, the parameters reused."""
+    config = dataclasses.replace(policy.config, **changes)
+    rebuilt = abstract(config)
+    if jax.tree.structure(rebuilt.params) != jax.tree.structure(policy.params) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(rebuilt.params), jax.tree.leaves(policy.params))):
+        raise ValueError(f"changing {', '.join(changes)} changes the parameters; build a new policy instead")
+    return Policy(rebuilt.graphdef, config, policy.params)
 
 
 def apply(

@@ -57,7 +57,7 @@ def pretrained_run(tmp_path_factory):
         "data.system_prompt='Think, then answer.'", "sft.steps=0", "rl.steps=2", "rl.prompts_per_step=4",
         "rl.group_size=4", "rl.sampling.max_new_tokens=12", "eval.every=0", "eval.batch_size=8",
         "checkpoint.every=0", "reward.function=math", "progress=false", f"output_dir={tmp / 'run'}",
-        "tokenizer.stop_strings=['####']",
+        "tokenizer.stop_strings=['####']", "pretrained.attention_impl=xla",
     ]
     config = load_config(Config, None, overrides)
     return tmp, config, loop.run(config)

@@ -87,3 +87,14 @@ def test_splash_attention_model_matches_xla_logits_and_gradients():
     want, got = jax.grad(loss(xla))(xla.params), jax.grad(loss(splash))(splash.params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_replace_config_switches_the_attention_kernel_and_keeps_the_parameters():
+    policy = models.init(CONFIG, 0)
+    splash = models.replace_config(policy, attention_impl="splash")
+    assert splash.config.attention_impl == "splash" and splash.params is policy.params
+    tokens = jnp.ones((1, 5), jnp.int32)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda t: models.forward(splash, t))(tokens))
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda t: models.forward(policy, t))(tokens))
+    with pytest.raises(ValueError, match="changes the parameters"):
+        models.replace_config(policy, hidden_size=64)
