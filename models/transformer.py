@@ -280,12 +280,14 @@ class Transformer(nnx.Module):
         """See `apply`."""
         cfg = self.config
         x = self.embed_tokens(tokens)
-        first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
-        query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
-        masks = {"full": causal_padding_mask(query_index, key_valid), "valid": key_valid}
-        if cfg.sliding_window:
-            masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
-                                                                   cfg.sliding_window)
+        masks = {"valid": key_valid}
+        if cache is not None:  # dense masks over the cache; without one the attention kernel builds its own
+            first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
+            query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
+            masks["full"] = causal_padding_mask(query_index, key_valid)
+            if cfg.sliding_window:
+                masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
+                                                                       cfg.sliding_window)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, masks, cache, cache_index, i)
         return self.norm(x), cache
