@@ -34,6 +34,7 @@ class PretrainedConfig:
     export_hf: bool = True  # write the trained policy as a Hugging Face directory to <output_dir>/hf
     # self-attention kernel for the loaded policy (see model.attention_impl): auto, xla, cudnn or splash
     attention_impl: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    remat: Literal["none", "full", "dots"] = "none"  # rematerialisation while training (see model.remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +183,33 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axes; the product must equal the number of devices used."""
+    """Device mesh axes (their product is the number of devices; one may be -1: the devices left over) and
+    the rules that place logical axes on them (MaxText-style; see models.partitioning).
 
-    data: int = _field(1, gt=0)
-    fsdp: int = _field(1, gt=0)
-    tensor: int = _field(1, gt=0)
+    The default rules: `batch` over data and fsdp (data parallelism); `embed` over fsdp (FSDP: parameters,
+    gradients and optimizer state split); `heads`, `kv_heads`, `mlp` and `vocab` over tensor (tensor
+    parallelism). Each row of `rules` replaces one: `[logical_name, mesh_axis, ...]`, e.g. `[embed]` to
+    replicate the parameters' hidden dimension or `[vocab, tensor, fsdp]`.
+    """
+
+    data: int = _field(1, ge=-1)
+    fsdp: int = _field(1, ge=-1)
+    tensor: int = _field(1, ge=-1)
+    rules: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host runs: every host runs the same command; `jax.distributed.initialize()` joins them.
+
+    `initialize`: auto (when `coordinator_address` is set or the environment is a multi-process SLURM / Open
+    MPI job or a multi-host TPU slice), on, or off. Fields left unset are detected by JAX from the cluster.
+    """
+
+    initialize: Literal["auto", "on", "off"] = "auto"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = _field(None, gt=0)
+    process_id: int | None = _field(None, ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +233,7 @@ class Config:
     data: DataConfig = _section(DataConfig)
     eval: EvalConfig = _section(EvalConfig)
     mesh: MeshConfig = _section(MeshConfig)
+    distributed: DistributedConfig = _section(DistributedConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
     def validate(self) -> None:

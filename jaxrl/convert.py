@@ -40,6 +40,7 @@ import models
 from jaxrl import configlib
 from models.configs import ModelConfig
 from models.hf import CheckpointError, copy_non_weight_files
+from models.partitioning import param_axes
 from models.transformer import Policy
 
 __all__ = ["POLICY_FORMAT", "ConvertResult", "Source", "convert", "describe_source", "load_policy", "parse_size",
@@ -141,7 +142,7 @@ def _run_model_config(config_file: str) -> ModelConfig:
 
 
 def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dtype: str | None = None,
-                mesh: Mesh | None = None, progress: bool = False) -> Policy:
+                mesh: Mesh | None = None, layout: models.Layout | None = None, progress: bool = False) -> Policy:
     """Load a policy from any source `describe_source` understands.
 
     Args:
@@ -150,6 +151,8 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
         `models.from_pretrained`); default: the stored parameters' dtype and the stored config's compute dtype.
       compute_dtype: activation dtype; default: `dtype` when given.
       mesh: place every parameter replicated on this mesh; default: the first device.
+      layout: place every parameter by its logical axes on `layout.mesh` as it is read (no process or device
+        ever holds the whole policy), and keep the layout in the returned policy (`models.shard`).
       progress: a progress bar while reading an HF checkpoint.
 
     Raises `CheckpointError` (naming the path) for something that is not a checkpoint, an incomplete one or
@@ -158,20 +161,24 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = describe_source(path)
+    shardings = None
+    if layout is not None:
+        shardings = lambda param_path, shape: layout.sharding(param_axes(param_path, len(shape)), shape)  # noqa: E731
     if source.kind == "hf":
-        return models.from_pretrained(source.directory, dtype, compute_dtype=compute_dtype, mesh=mesh,
-                                      progress=progress)
+        policy = models.from_pretrained(source.directory, dtype, compute_dtype=compute_dtype, mesh=mesh,
+                                        shardings=shardings, progress=progress)
+        return policy if layout is None else policy.replace(layout=layout)
     if source.kind == "policy":
         config = _policy_model_config(source.directory)
         params_dir, subtree = os.path.join(source.directory, PARAMS_DIR), None
     else:
         config = _run_model_config(source.config_file)
         params_dir, subtree = os.path.join(source.directory, "state"), "params"
-    policy = _restore(config, params_dir, subtree, dtype, mesh)
+    policy = _restore(config, params_dir, subtree, dtype, mesh, shardings)
     if compute_dtype is not None and compute_dtype != policy.config.dtype:
         config = dataclasses.replace(policy.config, dtype=compute_dtype)
         policy = Policy(models.abstract(config).graphdef, config, policy.params)  # the graph holds the dtype
-    return policy
+    return policy if layout is None else policy.replace(layout=layout)
 
 
 def _policy_model_config(directory: str) -> ModelConfig:
@@ -190,7 +197,7 @@ def _policy_model_config(directory: str) -> ModelConfig:
 
 
 def _restore(config: ModelConfig, item_dir: str, subtree: str | None, dtype: str | None,
-             mesh: Mesh | None) -> Policy:
+             mesh: Mesh | None, shardings=None) -> Policy:
     """Restore the parameters stored at `item_dir` (under the key `subtree` of the stored tree, if given)
     against the shapes of `config`, read in their stored dtype and cast to `dtype` afterwards."""
     template = models.abstract(config)
@@ -220,7 +227,8 @@ def _restore(config: ModelConfig, item_dir: str, subtree: str | None, dtype: str
         elif tuple(meta.shape) != tuple(leaf.shape):
             problems.append(f"{name!r} has shape {list(meta.shape)}, the model config implies {list(leaf.shape)}")
         else:
-            return jax.ShapeDtypeStruct(leaf.shape, meta.dtype, sharding=sharding)
+            where = sharding if shardings is None else shardings(key_path, leaf.shape)
+            return jax.ShapeDtypeStruct(leaf.shape, meta.dtype, sharding=where)
         return leaf
 
     item = jax.tree_util.tree_map_with_path(target, template.params)

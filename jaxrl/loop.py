@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,8 @@ from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
-from jaxrl.sharding import make_mesh, replicate, shard_batch
+from jaxrl.sharding import (data_shard, from_process_local, gather, initialize_distributed, is_primary,
+                            layout_from, process_local, process_max, process_rows, replicate, shard_batch)
 from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, left_pad, load_tokenizer, round_up,
                              train_tokenizer)
 from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
@@ -49,6 +50,14 @@ REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.mat
 
 def optimizer_from(config: OptimConfig):
     return make_optimizer(**dataclasses.asdict(config))
+
+
+class Generation(NamedTuple):
+    """One `Generator` call. In a multi-host run each process has the rows of its own prompts."""
+
+    rollout: Rollout  # global arrays on the mesh, rows split over the data axes
+    local: Rollout  # this process's rows of it, as numpy
+    texts: list[str]  # decoded completions of `local`
 
 
 @dataclasses.dataclass
@@ -93,21 +102,23 @@ class Generator:
         return encode_prompt(self.tokenizer, self.render(prompt), templated=self.chat_template)
 
     def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
-                 temperature=None, group_size: int = 1) -> tuple[Rollout, list[str]]:
-        """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once)."""
+                 temperature=None, group_size: int = 1) -> Generation:
+        """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once).
+
+        `prompts`: this process's prompts (all of them in a single-process run); every process passes as many.
+        """
         rows = [self.prompt_tokens(p) for p in prompts]
-        longest = max(map(len, rows))
+        longest = process_max(max(map(len, rows)))  # every process pads to the same length
         length = next((n for n in self.prompt_lengths if n >= longest), self.prompt_length)
         tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, prompts)
         parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if len(prompts) % parallel:  # the distinct prompts do not split over the mesh: share nothing
+        if (len(prompts) * data_shard(self.mesh)[1]) % parallel:  # prompts do not split over the mesh: share
             tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
-        tokens, valid = shard_batch((tokens, valid), self.mesh)
-        rollout = jax.device_get(sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids,
-                                        self.tokenizer.pad_id, temperature, group_size=group_size,
-                                        stop_sequences=self.stop_sequences))
-        texts = [self.tokenizer.decode(row) for row in rollout.completion_tokens]
-        return rollout, texts
+        tokens, valid = from_process_local((tokens, valid), self.mesh)
+        rollout = sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids, self.tokenizer.pad_id,
+                         temperature, group_size=group_size, stop_sequences=self.stop_sequences)
+        local = process_local(rollout, self.mesh)
+        return Generation(rollout, local, [self.tokenizer.decode(row) for row in local.completion_tokens])
 
 
 def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[int, ...]:
@@ -121,19 +132,28 @@ def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[
 
 def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
              max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all."""
+    """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all.
+    Each process samples and scores its rows of every batch; the scores are gathered."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    start, texts, lengths = time.perf_counter(), [], []
+    start, scores, lengths, sample_text = time.perf_counter(), [], [], None
+    mine = process_rows(batch_size, generate.mesh)
     for i in range(0, len(problems), batch_size):
-        chunk = [p.prompt for p in problems[i:i + batch_size]]
-        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        rollout, completions = generate(policy, padded, jax.random.key(0), greedy)
-        texts += completions[:len(chunk)]
-        lengths += rollout.completion_mask[:len(chunk)].sum(1).tolist()
-    result = pool.score(texts, [p.reference for p in problems])
-    return {"eval/accuracy": float(result.rewards.mean()), "eval/completion_length": float(np.mean(lengths)),
+        chunk = list(problems[i:i + batch_size])
+        padded = (chunk + [chunk[-1]] * (batch_size - len(chunk)))[mine]
+        real = max(0, min(len(chunk), mine.stop) - mine.start)  # rows of this process that are not padding
+        generation = generate(policy, [p.prompt for p in padded], jax.random.key(0), greedy)
+        local_scores = np.zeros(len(padded), np.float32)
+        if real:
+            local_scores[:real] = pool.score(generation.texts[:real], [p.reference for p in padded[:real]]).rewards
+        row_lengths = generation.local.completion_mask.sum(1).astype(np.float32)
+        all_scores, all_lengths = gather((local_scores, row_lengths), generate.mesh)
+        scores += all_scores[:len(chunk)].tolist()
+        lengths += all_lengths[:len(chunk)].tolist()
+        if sample_text is None and generation.texts:
+            sample_text = generation.texts[0]
+    return {"eval/accuracy": float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
             "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
-            "eval/sample": texts[0]}
+            "eval/sample": sample_text}
 
 
 def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
@@ -159,16 +179,17 @@ def warm_start(policy, config: Config, generate: Generator, train_problems, writ
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
-                  controls: Controls, mesh, ref_policy=None) -> dict:
-    """A rollout placed on the mesh, with what the objective needs from the sampling-time models `[B, N]`:
-    `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic) when used.
+                  controls: Controls, ref_policy=None) -> dict:
+    """A rollout (global arrays on the mesh) with what the objective needs from the sampling-time models
+    `[B, N]`: `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic)
+    when used.
 
     The device computations are only dispatched here: the device runs them while the host scores the
     rewards of the same rollout.
     """
-    batch = shard_batch({"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
-                         "completion_mask": rollout.completion_mask, "sampler_logp": rollout.sampler_logp,
-                         "truncated": rollout.finish_reason == FINISH_LENGTH}, mesh)
+    batch = {"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
+             "completion_mask": rollout.completion_mask, "sampler_logp": rollout.sampler_logp,
+             "truncated": rollout.finish_reason == FINISH_LENGTH}
     tokens, prompt_valid = batch["tokens"], batch["prompt_valid"]
     batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature)
     if loss_config.needs_entropy:
@@ -261,16 +282,19 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     """
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
+    initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
     out = config.output_dir
-    _prepare_output_dir(out)
-    with open(os.path.join(out, "config.yaml"), "w") as f:
-        f.write(configlib.dump_yaml(config))
+    if is_primary():
+        _prepare_output_dir(out)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(configlib.dump_yaml(config))
 
     # Data, policy and tokenizer.
     t0 = time.perf_counter()
     train_problems, eval_problems, corpus, data_totals = load_task(config)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    policy, tokenizer = _policy_and_tokenizer(config, corpus, mesh)
+    layout = layout_from(config.mesh)
+    mesh = layout.mesh
+    policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
@@ -283,7 +307,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
-    with MetricsWriter(os.path.join(out, "metrics.jsonl")) as writer, \
+    with MetricsWriter(_metrics_path(out)) as writer, \
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
         t0 = time.perf_counter()
@@ -310,8 +334,10 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
                       {"phase": "done", "rl_step": config.rl.steps})
     checkpointer.close()
     if config.pretrained.path is not None and config.pretrained.export_hf:
-        models.save_pretrained(state.policy, os.path.join(out, "hf"), base=_hf_files(config.pretrained.path),
-                               progress=config.progress)
+        exported = state.policy.replace(params=gather_params(state.policy.params), layout=None)
+        if is_primary():
+            models.save_pretrained(exported, os.path.join(out, "hf"), base=_hf_files(config.pretrained.path),
+                                   progress=config.progress)
     times["total_wall_time_s"] = time.perf_counter() - wall_start
 
     summary = {
@@ -326,32 +352,56 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         **data_totals,
         "num_parameters": models.num_parameters(state.policy.config),
         "devices": [str(d) for d in jax.devices()],
+        "processes": jax.process_count(),
+        "mesh": dict(mesh.shape),
         "seed": config.seed,
         "config_source": config_source,
         "config": configlib.to_dict(config),
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
-             title=f"RL ({config.rl.loss.preset or 'custom'} loss) on "
-                   f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} (seed {config.seed})")
+    if is_primary():
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
+                 title=f"RL ({config.rl.loss.preset or 'custom'} loss) on "
+                       f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} "
+                       f"(seed {config.seed})")
     return summary
 
 
-def _policy_and_tokenizer(config: Config, corpus: list[str], mesh) -> tuple[models.Policy, BaseTokenizer]:
+def _metrics_path(out: str) -> str:
+    """`<out>/metrics.jsonl`; in a multi-host run, process i > 0 records what it saw under `process_<i>/`."""
+    if is_primary():
+        return os.path.join(out, "metrics.jsonl")
+    directory = os.path.join(out, f"process_{jax.process_index()}")
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, "metrics.jsonl")
+
+
+def gather_params(params):
+    """Parameters as host arrays on every process (an all-gather in a multi-host run, where no process holds
+    them all); for exporting, not for training."""
+    if jax.process_count() == 1:
+        return params
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(params, tiled=True)
+
+
+def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layout
+                          ) -> tuple[models.Policy, BaseTokenizer]:
     """The pretrained checkpoint and its tokenizer, or a fresh `config.model` and a sentencepiece tokenizer
-    trained on the task's text (saved next to the run's outputs)."""
+    trained on the task's text (saved next to the run's outputs); the policy placed by `layout`."""
     if config.pretrained.path is None:
         tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
-        tokenizer.save(os.path.join(config.output_dir, "tokenizer.model"))
-        return replicate(models.init(config.model, config.seed), mesh), tokenizer
+        if is_primary():
+            tokenizer.save(os.path.join(config.output_dir, "tokenizer.model"))
+        return models.shard(models.init(config.model, config.seed), layout), tokenizer
     pretrained = config.pretrained
     try:
         policy = load_policy(pretrained.path, dtype=pretrained.dtype, compute_dtype=pretrained.compute_dtype,
-                             mesh=mesh, progress=config.progress)
+                             layout=layout, progress=config.progress)
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
-    policy = models.replace_config(policy, attention_impl=pretrained.attention_impl)
+    policy = models.replace_config(policy, attention_impl=pretrained.attention_impl, remat=pretrained.remat)
     tokenizer_path = config.tokenizer.path or _hf_files(pretrained.path)
     if tokenizer_path is None:
         raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")
@@ -389,7 +439,11 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                                         advantage_fn=advantage_fn,
                                         component_weights=tuple(config.reward.component_weights().values())))
     controls = Controls.initial(loss_config, rl.sampling.temperature)
-    prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step, config.seed)
+    shard, shards = data_shard(generate.mesh)
+    if rl.prompts_per_step % shards:
+        raise ValueError(f"rl.prompts_per_step ({rl.prompts_per_step}) does not split over the {shards} data "
+                         "shards of the processes (one per process holding distinct rows of the batch)")
+    prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0}
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
@@ -400,22 +454,28 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         record: dict[str, Any] = {"phase": "rl", "step": step}
         step_key = jax.random.fold_in(rl_key, step)
         t0 = time.perf_counter()
-        problems = next(prompts_iter)
+        problems = next(prompts_iter)  # this process's share of the step's prompts
         references = [p.reference for p in problems for _ in range(rl.group_size)]
-        rollout, texts = generate(state.policy, [p.prompt for p in problems], step_key, rl.sampling,
-                                  controls.temperature, group_size=rl.group_size)
+        generation = generate(state.policy, [p.prompt for p in problems], step_key, rl.sampling,
+                              controls.temperature, group_size=rl.group_size)
         t1 = time.perf_counter()
-        batch = rollout_batch(state, logprob_fn, value_fn, rollout, loss_config, controls, generate.mesh,
-                              ref_policy)
+        batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls, ref_policy)
+        texts, local = generation.texts, generation.local
         scored = pool.score(texts, references)  # on the host, while the device computes the log-probs
-        greedy_rewards = None
+        composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
+        seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
+                "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
         if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
-            _, greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy)
+            greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy).texts
             greedy_scored = pool.score(greedy_texts, [p.reference for p in problems])
-            greedy_rewards = np.repeat(greedy_scored.rewards, rl.group_size)
-            record["reward/greedy_mean"] = float(greedy_scored.rewards.mean())
+            seen["greedy"] = np.repeat(greedy_scored.rewards, rl.group_size)
+        seen = gather(seen, generate.mesh)  # every process's rows, on every process
+        scored = _gathered_result(scored, seen["correct"], generate.mesh)
+        composed = rewards.compose(seen["components"], config.reward.component_weights())
+        greedy_rewards = seen.get("greedy")
+        if greedy_rewards is not None:
+            record["reward/greedy_mean"] = float(greedy_rewards.mean())
         t2 = time.perf_counter()
-        composed = shaped_rewards(scored.rewards, texts, rollout.completion_mask.sum(1), config)
         reward_array = composed.total
         component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
         fields, prep_metrics = prepare(
@@ -445,11 +505,11 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
         record["train/entropy_coef"] = float(controls.entropy_coef)
         record["train/temperature"] = float(controls.temperature)
-        record["train/completion_length"] = float(rollout.completion_mask.sum(1).mean())
-        record["train/truncated_frac"] = float((rollout.finish_reason == FINISH_LENGTH).mean())
+        record["train/completion_length"] = float(seen["length"].mean())
+        record["train/truncated_frac"] = float(seen["truncated"].mean())
         record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
         record["sampler/compiled_programs"] = compiled_programs()
-        record["sampler/prompt_length"] = int(rollout.prompt_valid.shape[1])
+        record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
         if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
             record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
             last_accuracy = record["eval/accuracy"]
@@ -466,9 +526,24 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     return state, controls, totals
 
 
+def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh) -> rewards.RewardResult:
+    """The reward outcome of the whole batch: every process's rewards, timeouts and errors (processes that
+    scored the same rows, as when only `tensor` splits them, counted once)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+    counts = multihost_utils.process_allgather(np.asarray([local.timeouts, local.errors], np.int64))
+    duplicates = jax.process_count() // data_shard(mesh)[1]
+    timeouts, errors = (int(c) // duplicates for c in np.asarray(counts).reshape(-1, 2).sum(0))
+    return rewards.RewardResult(np.asarray(all_rewards, np.float32), timeouts, errors, local.seconds)
+
+
 def _checkpoint_state(state: TrainState, controls: Controls) -> dict[str, Any]:
+    controls = {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature}
+    if state.policy.layout is not None:  # host values: on the mesh, so that every process saves them alike
+        controls = replicate(jax.device_get(controls), state.policy.layout.mesh)
     saved = {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step,
-             "controls": {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature}}
+             "controls": controls}
     if state.critic is not None:
         saved.update(critic_params=state.critic.params, critic_opt_state=state.critic_opt_state)
     return saved

@@ -217,18 +217,28 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
                          f"({policy.config.max_position_embeddings})")
     if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_valid, jax.core.Tracer):
         return  # traced inside a caller's jit: values are not known here
-    tokens, valid = np.asarray(prompt_tokens), np.asarray(prompt_valid)
+    (tokens, first), (valid, _) = _host_rows(prompt_tokens), _host_rows(prompt_valid)
     empty = np.flatnonzero(~valid.any(axis=1))
     if empty.size:
-        raise ValueError(f"prompt row {int(empty[0])} is empty (no valid token); {empty.size} empty rows")
+        raise ValueError(f"prompt row {first + int(empty[0])} is empty (no valid token); {empty.size} empty rows")
     if not valid[:, -1].all():
-        raise ValueError(f"prompt row {int(np.flatnonzero(~valid[:, -1])[0])} is not left-padded: its last "
-                         "column is padding")
+        raise ValueError(f"prompt row {first + int(np.flatnonzero(~valid[:, -1])[0])} is not left-padded: its "
+                         "last column is padding")
     bad = valid & ((tokens < 0) | (tokens >= policy.config.vocab_size))
     if bad.any():
         row, col = map(int, np.argwhere(bad)[0])
+        row += first
         raise ValueError(f"prompt row {row}, position {col}: token id {int(tokens[row, col])} is outside the "
                          f"model's vocabulary [0, {policy.config.vocab_size})")
+
+
+def _host_rows(x) -> tuple[np.ndarray, int]:
+    """`(rows, index of the first)`: the rows of `x [batch, ...]` this process holds (all of them unless `x` is
+    a global array of a multi-host run; every process checks its own)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x), 0
+    parts = {shard.index[0].start or 0: shard.data for shard in x.addressable_shards}
+    return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)]), min(parts)
 
 
 def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]:

@@ -38,6 +38,11 @@ class Critic:
     graphdef: Any = struct.field(pytree_node=False)
     config: models.ModelConfig = struct.field(pytree_node=False)
     params: dict
+    layout: models.Layout | None = struct.field(pytree_node=False, default=None)  # as the policy's
+
+    @property
+    def trunk(self) -> Policy:
+        return Policy(self.graphdef, self.config, self.params["trunk"], self.layout)
 
 
 @struct.dataclass
@@ -62,15 +67,56 @@ def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: fl
 def init_critic(policy: Policy) -> Critic:
     """A critic initialised from the policy: the same trunk weights and a zero value head."""
     head = {"kernel": jnp.zeros((policy.config.hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
-    return Critic(policy.graphdef, policy.config, {"trunk": policy.params, "head": head})
+    if policy.layout is not None:
+        head = jax.device_put(head, policy.layout.replicated())
+    return Critic(policy.graphdef, policy.config, {"trunk": policy.params, "head": head}, policy.layout)
+
+
+def param_shardings(layout: models.Layout, params: Any) -> Any:
+    """Shardings of policy params, of critic params `{"trunk": ..., "head": ...}` (head replicated), or of
+    trainable params (or their gradients) `{"policy": ..., "critic": ...}`."""
+    if isinstance(params, dict) and set(params) == {"trunk", "head"}:
+        return {"trunk": layout.param_shardings(params["trunk"]),
+                "head": jax.tree.map(lambda _: layout.replicated(), params["head"])}
+    if isinstance(params, dict) and params and set(params) <= {"policy", "critic"}:
+        return {name: param_shardings(layout, tree) for name, tree in params.items()}
+    return layout.param_shardings(params)
+
+
+def opt_state_shardings(layout: models.Layout, optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """Shardings of `optimizer`'s state for `params`: moments as their parameters, counters replicated."""
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_state,
+                                 param_shardings(layout, params),
+                                 transform_non_params=lambda _: layout.replicated())
+
+
+def _init_opt_state(optimizer: optax.GradientTransformation, params: Any, layout: models.Layout | None):
+    if layout is None:
+        return optimizer.init(params)
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(layout, optimizer, params))(params)
+
+
+def _constrain(layout: models.Layout | None, tree: Any, optimizer=None, params=None) -> Any:
+    """`tree` (params or gradients; optimizer state when `optimizer` and `params` are given) held at its
+    sharding inside a jitted step: FSDP's gradients reduce-scattered, not all-reduced; the state keeps the
+    layout it came in with, so the next step reuses the compiled program."""
+    if layout is None:
+        return tree
+    shardings = (param_shardings(layout, tree) if optimizer is None
+                 else opt_state_shardings(layout, optimizer, params))
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
 def init_train_state(policy: Policy, optimizer: optax.GradientTransformation, critic: Critic | None = None,
                      critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs its optimizer and an optimizer its critic")
-    critic_opt_state = None if critic is None else critic_optimizer.init(critic.params)
-    return TrainState(policy=policy, opt_state=optimizer.init(policy.params), step=jnp.zeros((), jnp.int32),
+    layout = policy.layout
+    critic_opt_state = None if critic is None else _init_opt_state(critic_optimizer, critic.params, layout)
+    step = jnp.zeros((), jnp.int32) if layout is None else jax.device_put(jnp.zeros((), jnp.int32),
+                                                                             layout.replicated())
+    return TrainState(policy=policy, opt_state=_init_opt_state(optimizer, policy.params, layout), step=step,
                       critic=critic, critic_opt_state=critic_opt_state)
 
 
@@ -102,8 +148,7 @@ def completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: jax.Arr
 
 def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:
     """`[B, N]` float32 value of the state before each completion token."""
-    trunk = Policy(critic.graphdef, critic.config, critic.params["trunk"])
-    hidden = _completion_hidden(trunk, tokens, prompt_valid).astype(jnp.float32)
+    hidden = _completion_hidden(critic.trunk, tokens, prompt_valid).astype(jnp.float32)
     return hidden @ critic.params["head"]["kernel"] + critic.params["head"]["bias"]
 
 
@@ -117,13 +162,16 @@ def _full_kl_to_reference(policy: Policy, ref_policy: Policy, tokens, prompt_val
 
 
 def _apply_gradients(state: TrainState, optimizer, grads, critic_optimizer=None) -> TrainState:
-    updates, opt_state = optimizer.update(grads["policy"], state.opt_state, state.policy.params)
-    new = state.replace(policy=state.policy.replace(params=optax.apply_updates(state.policy.params, updates)),
-                        opt_state=opt_state, step=state.step + 1)
+    layout, params = state.policy.layout, state.policy.params
+    updates, opt_state = optimizer.update(grads["policy"], state.opt_state, params)
+    new = state.replace(
+        policy=state.policy.replace(params=_constrain(layout, optax.apply_updates(params, updates))),
+        opt_state=_constrain(layout, opt_state, optimizer, params), step=state.step + 1)
     if state.critic is not None:
-        updates, critic_opt = critic_optimizer.update(grads["critic"], state.critic_opt_state, state.critic.params)
-        critic = state.critic.replace(params=optax.apply_updates(state.critic.params, updates))
-        new = new.replace(critic=critic, critic_opt_state=critic_opt)
+        params = state.critic.params
+        updates, critic_opt = critic_optimizer.update(grads["critic"], state.critic_opt_state, params)
+        critic = state.critic.replace(params=_constrain(layout, optax.apply_updates(params, updates)))
+        new = new.replace(critic=critic, critic_opt_state=_constrain(layout, critic_opt, critic_optimizer, params))
     return new
 
 
@@ -138,6 +186,7 @@ def make_sft_step(optimizer: optax.GradientTransformation) -> StepFn:
     @jax.jit
     def sft_step(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.policy.params, state.policy, batch)
+        grads = _constrain(state.policy.layout, grads)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return _apply_gradients(state, optimizer, {"policy": grads}), metrics
 
@@ -190,9 +239,10 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         if state.critic is not None:
             trainable["critic"] = state.critic.params
         norm = losses.normalizers(batch["loss_mask"], norm_length)
+        layout = state.policy.layout
         if micro_batches == 1:
             (_, metrics), grads = grad_fn(trainable, state, batch, norm, controls, ref_policy)
-            return grads, metrics
+            return _constrain(layout, grads), metrics
 
         micro = _split_micro_batches(batch, micro_batches)
         first = jax.tree.map(lambda x: x[0], micro)
@@ -203,9 +253,10 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         def accumulate(carry, mb):
             grads, metrics = carry
             (_, mb_metrics), mb_grads = grad_fn(trainable, state, mb, norm, controls, ref_policy)
-            return (jax.tree.map(jnp.add, grads, mb_grads), losses.reduce_metrics(metrics, mb_metrics)), None
+            grads = _constrain(layout, jax.tree.map(jnp.add, grads, mb_grads))
+            return (grads, losses.reduce_metrics(metrics, mb_metrics)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        zeros = _constrain(layout, jax.tree.map(jnp.zeros_like, trainable))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), micro)
         return grads, metrics
 

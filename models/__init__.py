@@ -7,13 +7,14 @@
 
 from models.configs import PRESETS, ModelConfig, RopeScaling, num_parameters
 from models.hf import CheckpointError, from_pretrained, load_config, save_pretrained
+from models.partitioning import DEFAULT_RULES, Layout
 from models.transformer import (
     GroupKVCache, KVCache, Policy, Transformer, abstract, apply, forward, init, logits_from_hidden,
-    positions_from_mask, replace_config, softcap, unembedding,
+    positions_from_mask, replace_config, shard, softcap, unembedding,
 )
 
 __all__ = [
-    "PRESETS", "CheckpointError", "GroupKVCache", "KVCache", "ModelConfig", "Policy", "RopeScaling", "Transformer",
+    "DEFAULT_RULES", "PRESETS", "CheckpointError", "GroupKVCache", "KVCache", "Layout", "ModelConfig", "Policy", "RopeScaling", "Transformer",
     "abstract", "apply", "forward", "from_pretrained", "init", "load_config", "logits_from_hidden", "num_parameters",
-    "positions_from_mask", "replace_config", "save_pretrained", "softcap", "unembedding",
+    "positions_from_mask", "replace_config", "save_pretrained", "shard", "softcap", "unembedding",
 ]

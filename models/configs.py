@@ -64,6 +64,9 @@ class ModelConfig:
     # NVIDIA GPUs, Pallas splash attention on TPUs, XLA elsewhere. Decoding with a KV cache always uses XLA.
     attention_impl: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
+    # Rematerialisation of each block in training (models.transformer.REMAT_POLICIES): none keeps every
+    # activation; full recomputes each block in the backward pass; dots keeps the weight matmuls' outputs.
+    remat: Literal["none", "full", "dots"] = "none"
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

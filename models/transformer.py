@@ -24,6 +24,7 @@ from flax import nnx, struct
 from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, resolve_implementation,
                                self_attention, shared_prefix_attention, sliding_window_mask)
 from models.configs import ModelConfig
+from models.partitioning import Layout
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 
@@ -71,17 +72,23 @@ class KVCache(NamedTuple):
             return jnp.pad(x, [(0, 0), (0, 0), (0, slots)] + [(0, 0)] * (x.ndim - 3))
         return KVCache(*(tuple(map(grow, part)) for part in self))
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, index) -> "KVCache":
+    def write(self, layer: int, k: jax.Array, v: jax.Array, index, layout: Layout | None = None) -> "KVCache":
         """The cache with `k, v [batch, kv_heads, seq, head_dim]` written into `layer`'s slots
-        `[index, index + seq)` in place (only those slots: a decode step does not copy the cache)."""
+        `[index, index + seq)` in place (only those slots: a decode step does not copy the cache). With a
+        `layout`, the layer's cache keeps its batch over the data axes and its KV heads over `tensor`."""
         def put(arrays, value):
             updated = jax.lax.dynamic_update_slice_in_dim(arrays[layer], value.astype(arrays[layer].dtype), index, 2)
+            if layout is not None:
+                updated = layout.constrain(updated, CACHE_AXES[:updated.ndim])
             return _replace(arrays, layer, updated)
 
         if not self.int8:
             return KVCache(put(self.k, k), put(self.v, v))
         (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
         return KVCache(put(self.k, k), put(self.v, v), put(self.k_scale, k_scale), put(self.v_scale, v_scale))
+
+
+CACHE_AXES = ("batch", "kv_heads", "cache_len", "head_dim")  # logical axes of a cache layer (scales: 3)
 
 
 class GroupKVCache(NamedTuple):
@@ -173,17 +180,22 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(hd, config)
             self.k_norm = RMSNorm(hd, config)
 
-    def __call__(self, x, positions, mask, cache, cache_index, layer):
+    def __call__(self, x, positions, mask, cache, cache_index, layer, layout: Layout | None = None):
         """x `[batch, seq, hidden]`; `cache`: a `KVCache`, a `GroupKVCache` or None. The segment's keys and
         values are written into this layer's slots `[cache_index, cache_index + seq)` (of the `own` part of a
         `GroupKVCache`). `mask`: `[batch, seq, key_len]` bool with a cache, `(key_valid, window)` without.
-        Returns `(out [batch, seq, hidden], cache)`."""
+        `layout`: constrains the heads to their mesh axes (None: XLA decides). Returns
+        `(out [batch, seq, hidden], cache)`."""
         cfg = self.config
         batch, seq, _ = x.shape
         flat = x.reshape(batch * seq, -1)
         q = self.q_proj(flat).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(flat).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(flat).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        if layout is not None:
+            q = layout.constrain(q, ("batch", "seq", "heads", "head_dim"))
+            k = layout.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+            v = layout.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = cfg.inv_frequencies(self.layer)
@@ -197,11 +209,11 @@ class Attention(nnx.Module):
         else:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major, as cached
             if isinstance(cache, GroupKVCache):
-                cache = GroupKVCache(cache.prompt, cache.own.write(layer, k, v, cache_index))
+                cache = GroupKVCache(cache.prompt, cache.own.write(layer, k, v, cache_index, layout))
                 out = shared_prefix_attention(q, cache.prompt.layer(layer), cache.own.layer(layer), mask,
                                               **settings)
             else:
-                cache = cache.write(layer, k, v, cache_index)
+                cache = cache.write(layer, k, v, cache_index, layout)
                 out = attention(q, cache.layer(layer), mask, **settings)
         return self.o_proj(out.reshape(batch * seq, cfg.num_heads * cfg.head_dim)).reshape(batch, seq, -1), cache
 
@@ -214,10 +226,12 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, f, bias=False, config=config, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, config=config, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, layout: Layout | None = None):
         flat = x.reshape(-1, x.shape[-1])
-        out = self.down_proj(_activation(self.activation)(self.gate_proj(flat)) * self.up_proj(flat))
-        return out.reshape(x.shape)
+        hidden = _activation(self.activation)(self.gate_proj(flat)) * self.up_proj(flat)  # [tokens, mlp]
+        if layout is not None:  # rows are batch-major: splitting them over the batch axes splits the batch
+            hidden = layout.constrain(hidden, ("batch", "mlp"))
+        return self.down_proj(hidden).reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -236,18 +250,25 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(d, config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, masks, cache, cache_index, layer):
+    def __call__(self, x, positions, masks, cache, cache_index, layer, layout: Layout | None = None):
         if cache is None:  # the kernel builds its own mask from the padding and the window
             mask = (masks["valid"], self.window if self.sliding else None)
         else:
             mask = masks["sliding" if self.sliding else "full"]
-        h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, layer)
+        h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, layer, layout)
         if self.post_norms:
             h = self.post_attention_layernorm(h)
             x = x + h
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), layout))
+        else:
+            x = x + h
+            x = x + self.mlp(self.post_attention_layernorm(x), layout)
+        if layout is not None:
+            x = layout.constrain(x, HIDDEN_AXES)
+        return x, cache
+
+
+HIDDEN_AXES = ("batch", "seq", "activation_embed")  # logical axes of the residual stream
 
 
 class Embedding(nnx.Module):
@@ -265,6 +286,23 @@ class Embedding(nnx.Module):
         return x.astype(jnp.dtype(cfg.dtype))
 
 
+# Rematerialisation (`ModelConfig.remat`) of each block when training: "none" keeps every activation for the
+# backward pass; "full" keeps only each block's input and recomputes the rest; "dots" also keeps the outputs
+# of the weight matmuls and recomputes attention scores, norms and activations.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_forward(layer: int, layout: Layout | None):
+    """`(block, x, positions, masks) -> x`: block `layer` without a cache, for `nnx.remat`."""
+    def forward(block: "Block", x, positions, masks):
+        return block(x, positions, masks, None, 0, layer, layout)[0]
+    return forward
+
+
 class Transformer(nnx.Module):
     """Attributes named as HF's `model.*` (and top-level `lm_head`) so checkpoints map one to one."""
 
@@ -276,10 +314,12 @@ class Transformer(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, config=config, rngs=rngs)
 
-    def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0):
+    def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0, layout: Layout | None = None):
         """See `apply`."""
         cfg = self.config
         x = self.embed_tokens(tokens)
+        if layout is not None:
+            x = layout.constrain(x, HIDDEN_AXES)
         masks = {"valid": key_valid}
         if cache is not None:  # dense masks over the cache; without one the attention kernel builds its own
             first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
@@ -288,8 +328,12 @@ class Transformer(nnx.Module):
             if cfg.sliding_window:
                 masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
                                                                        cfg.sliding_window)
+        remat = REMAT_POLICIES[cfg.remat] if cache is None else None  # decoding keeps no activations
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, masks, cache, cache_index, i)
+            if remat is None:
+                x, cache = layer(x, positions, masks, cache, cache_index, i, layout)
+            else:  # the backward pass recomputes what `remat` does not save of this block
+                x = nnx.remat(_block_forward(i, layout), policy=remat)(layer, x, positions, masks)
         return self.norm(x), cache
 
     def unembedding(self) -> jax.Array:
@@ -309,6 +353,8 @@ class Policy:
     graphdef: nnx.GraphDef = struct.field(pytree_node=False)
     config: ModelConfig = struct.field(pytree_node=False)
     params: nnx.State
+    # Mesh and logical-axis rules the params are placed by (`shard`); None: wherever they are, XLA decides.
+    layout: Layout | None = struct.field(pytree_node=False, default=None)
 
 
 def init(config: ModelConfig, seed: int | jax.Array) -> Policy:
@@ -333,7 +379,15 @@ def replace_config(policy: Policy, **changes) -> Policy:
     if jax.tree.structure(rebuilt.params) != jax.tree.structure(policy.params) or any(
             a.shape != b.shape for a, b in zip(jax.tree.leaves(rebuilt.params), jax.tree.leaves(policy.params))):
         raise ValueError(f"changing {', '.join(changes)} changes the parameters; build a new policy instead")
-    return Policy(rebuilt.graphdef, config, policy.params)
+    return Policy(rebuilt.graphdef, config, policy.params, policy.layout)
+
+
+def shard(policy: Policy, layout: Layout) -> Policy:
+    """The policy with its parameters placed on `layout.mesh` by their logical axes (FSDP over `embed`,
+    tensor parallelism over heads, MLP columns and vocabulary with the default rules), and the layout kept so
+    that jitted functions constrain activations, KV caches and gradients to match."""
+    return policy.replace(params=jax.device_put(policy.params, layout.param_shardings(policy.params)),
+                          layout=layout)
 
 
 def apply(
@@ -358,7 +412,7 @@ def apply(
       `(hidden [batch, seq, hidden_size], updated cache or None)`.
     """
     model = nnx.merge(policy.graphdef, policy.params)
-    return model(tokens, positions, key_valid, cache, cache_index)
+    return model(tokens, positions, key_valid, cache, cache_index, policy.layout)
 
 
 def unembedding(policy: Policy) -> jax.Array:
