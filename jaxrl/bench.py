@@ -162,7 +162,9 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
 
 
 def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int = 64, completion_len: int = 128,
-                micro_batches: int = 1, repeats: int = 3, seed: int = 0) -> dict:
+                micro_batches: int = 1, repeats: int = 3, seed: int = 0, remat: str = "none",
+                mesh: tuple[int, int, int] = (1, 1, 1), compute_dtype: str | None = None,
+                peak_tflops: float | None = None) -> dict:
     """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
 
     The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
@@ -170,6 +172,12 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     0.2 on both sides, token-mean) with random per-sequence advantages and fixed old log-probs (the initial
     policy's); backward; global-norm clipping and AdamW. `tokens_per_s` is sequences * (prompt_len +
     completion_len) / the median of `repeats` steps after the first (compiling) one.
+
+    `remat` (none / full / dots) sets `ModelConfig.remat`; `mesh` = (data, fsdp, tensor) places the policy and
+    the batch by the default logical-axis rules (one size may be -1); `compute_dtype` runs the matmuls in
+    that dtype over the preset's (float32) master weights. `model_tflops_per_s` counts 6 x (matmul parameters)
+    per token plus the attention products; with `peak_tflops` (the devices' total peak in the compute dtype)
+    the result includes `mfu`, the model FLOPs utilisation.
     """
     import jax
     import jax.numpy as jnp
@@ -185,8 +193,14 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
             raise ValueError(f"{name} must be >= 1, got {value}")
     if sequences % micro_batches:
         raise ValueError(f"sequences ({sequences}) must be divisible by micro_batches ({micro_batches})")
+    import dataclasses
+
+    from jaxrl.sharding import make_mesh, shard_batch
+
     model_name, config = _model_config(model)
-    policy = models.init(config, seed)
+    config = dataclasses.replace(config, remat=remat, dtype=compute_dtype or config.dtype)
+    layout = models.Layout(make_mesh(*mesh))
+    policy = models.shard(models.init(config, seed), layout)
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (sequences, prompt_len + completion_len)), jnp.int32)
     prompt_valid = jnp.ones((sequences, prompt_len), bool)
@@ -194,6 +208,7 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     advantages = np.repeat(rng.standard_normal((sequences, 1)).astype(np.float32), completion_len, axis=1)
     batch = {"tokens": tokens, "prompt_valid": prompt_valid, "old_logp": old_logp,
              "advantages": jnp.asarray(advantages), "loss_mask": jnp.ones((sequences, completion_len), bool)}
+    batch = shard_batch(jax.device_get(batch), layout.mesh)
     optimizer = make_optimizer(learning_rate=1e-5)
     loss = losses.policy_term("ppo_clip", ratio="token", aggregation="token-mean", eps_low=0.2, eps_high=0.2)
     step = make_rl_step(optimizer, loss, micro_batches=micro_batches)
@@ -213,16 +228,32 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     step_s = statistics.median(times)
     peak, peak_source = _peak_memory()
     device = jax.devices()[0]
+    tokens_per_s = sequences * (prompt_len + completion_len) / step_s
+    model_tflops = train_flops_per_token(config, prompt_len + completion_len) * tokens_per_s / 1e12
     return {
         "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
-        "dtype": config.dtype, "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
+        "dtype": config.dtype, "param_dtype": config.param_dtype, "remat": remat, "mesh": list(layout.mesh.shape.values()),
+        "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
         "micro_batches": micro_batches, "repeats": repeats, "seed": seed,
         "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s, "step_times_s": times,
-        "tokens_per_s": sequences * (prompt_len + completion_len) / step_s,
+        "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops,
+        "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
         "peak_memory_bytes": peak, "peak_memory_source": peak_source, "platform": device.platform,
         "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
     }
+
+
+def train_flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward): 6 x the parameters of every matmul
+    (projections, MLP, output head; not the embedding lookup) + the attention products, 6 x 2 x layers x
+    heads x head_dim x seq_len (causal: half of the full QK^T and PV products). Rematerialised work is not
+    counted: MFU counts the model's FLOPs, not the hardware's."""
+    c = config
+    attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    matmul_params = c.num_layers * (attention + mlp) + c.vocab_size * c.hidden_size
+    return 6 * matmul_params + 6 * 2 * c.num_layers * c.num_heads * c.head_dim * seq_len / 2
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,14 +266,25 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps after the warm-up (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
+    parser.add_argument("--remat", choices=("none", "full", "dots"), default="none",
+                        help="rematerialisation of each block (default: none)")
+    parser.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor mesh sizes; one may be -1 (default: 1,1,1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype over float32 master weights (default: the preset's)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the devices' total peak TFLOP/s in the compute dtype: report MFU")
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of `jaxrl bench train`: one JSON line, then a markdown table. Bad arguments -> exit 2."""
     try:
+        mesh = tuple(int(size) for size in args.mesh.split(","))
+        if len(mesh) != 3:
+            raise ValueError(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor")
         r = bench_train(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
                         completion_len=args.completion_len, micro_batches=args.micro_batches,
-                        repeats=args.repeats, seed=args.seed)
+                        repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
+                        compute_dtype=args.dtype, peak_tflops=args.peak_tflops)
     except (ValueError, RuntimeError) as e:
         print(f"jaxrl: bench error: {e}", file=sys.stderr)
         return 2
@@ -250,10 +292,13 @@ def run_train(args: argparse.Namespace) -> int:
     print()
     print("| model | sequences x tokens | training tokens/s | step time | compile | peak memory |\n"
           "|---|---|---|---|---|---|")
-    print(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}) | {r['sequences']} x "
+    print(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}, mesh "
+          f"{'x'.join(map(str, r['mesh']))}) | {r['sequences']} x "
           f"({r['prompt_len']} + {r['completion_len']}) | {r['tokens_per_s']:.1f} | {r['step_s']:.3f} s "
           f"| {r['compile_s']:.2f} s | {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
     print()
+    mfu = "" if r["mfu"] is None else f", MFU {100 * r['mfu']:.1f}%"
+    print(f"model FLOPs: {r['model_tflops_per_s']:.3f} TFLOP/s{mfu}")
     print(f"token-level clipped policy loss (clip 0.2, token-mean), AdamW; median of {r['repeats']} steps after a "
           f"warm-up; device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
     return 0

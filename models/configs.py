@@ -122,6 +122,12 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=32_000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
         intermediate_size=1408, rope_theta=1e6, qkv_bias=True, tie_embeddings=False, family="qwen2",
     ),
+    # Qwen2.5-0.5B's shape (494M parameters), for accelerator benchmarks with random weights.
+    "qwen2.5-0.5b": ModelConfig(
+        vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+        intermediate_size=4864, rope_theta=1e6, qkv_bias=True, tie_embeddings=True, family="qwen2",
+        max_position_embeddings=32_768,
+    ),
 }
 
 

@@ -83,3 +83,20 @@ def test_bench_train_tiny_config_and_cli(capsys):
     assert result["model"] == "tiny" and result["sequences"] == 2 and result["tokens_per_s"] > 0
     assert any(line.startswith("| model |") for line in lines)
     assert cli.main(["bench", "train", "--preset", "tiny", "--sequences", "0"]) == 2
+    assert cli.main(["bench", "train", "--preset", "tiny", "--mesh", "1,1"]) == 2
+    assert "expected three sizes" in capsys.readouterr().err
+
+
+def test_bench_train_remat_bf16_and_mfu():
+    """Rematerialised bf16 compute over float32 master weights: the same workload, its FLOPs and MFU."""
+    result = bench.bench_train(model=TINY, sequences=2, prompt_len=4, completion_len=4, repeats=1, remat="full",
+                               compute_dtype="bfloat16", peak_tflops=1.0)
+    assert result["remat"] == "full" and result["dtype"] == "bfloat16" and result["param_dtype"] == "float32"
+    assert result["mesh"] == [1, 1, 1]
+    flops = bench.train_flops_per_token(TINY, 8)
+    c = TINY
+    params = c.num_layers * (c.hidden_size * c.head_dim * 2 * (c.num_heads + c.num_kv_heads)
+                             + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+    assert flops == 6 * params + 6 * c.num_layers * c.num_heads * c.head_dim * 8
+    assert result["model_tflops_per_s"] == pytest.approx(flops * result["tokens_per_s"] / 1e12)
+    assert result["mfu"] == pytest.approx(result["model_tflops_per_s"])

@@ -98,3 +98,24 @@ def test_replace_config_switches_the_attention_kernel_and_keeps_the_parameters()
     assert "pallas_call" not in str(jax.make_jaxpr(lambda t: models.forward(policy, t))(tokens))
     with pytest.raises(ValueError, match="changes the parameters"):
         models.replace_config(policy, hidden_size=64)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_rematerialised_blocks_give_the_same_gradients(remat):
+    """`model.remat` changes what the backward pass keeps, not what it computes; the jaxpr really checkpoints."""
+    config = models.ModelConfig(vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                head_dim=8, intermediate_size=64, sliding_window=3, layer_types=("sliding", "full"))
+    policy = models.init(config, 0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 24, (2, 7)))
+    valid = jnp.asarray(np.arange(7)[None] >= np.array([[0], [2]]))
+
+    def loss(params, p):
+        return jnp.mean(models.forward(p.replace(params=params), tokens, valid) ** 2)
+
+    expected = jax.grad(loss)(policy.params, policy)
+    rematerialised = models.replace_config(policy, remat=remat)
+    grads = jax.jit(jax.grad(loss))(rematerialised.params, rematerialised)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    assert "remat" in str(jax.make_jaxpr(jax.grad(loss))(rematerialised.params, rematerialised))
+    assert "remat" not in str(jax.make_jaxpr(jax.grad(loss))(policy.params, policy))
