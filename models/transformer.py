@@ -277,10 +277,13 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(_INIT(rngs.params(), (config.vocab_size, config.hidden_size),
                                       jnp.dtype(config.param_dtype)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
         """`[batch, seq]` ids -> `[batch, seq, hidden]` in the compute dtype."""
         cfg = self.config
-        x = jnp.take(self.weight[...], tokens, axis=0)
+        table = self.weight[...]
+        if layout is not None:  # gather the FSDP-split hidden dimension first (as for every FSDP weight): a
+            table = layout.constrain(table, ("vocab", None))  # lookup into split columns would need a reshuffle
+        x = jnp.take(table, tokens, axis=0)
         if cfg.scale_embeddings:  # HF rounds sqrt(hidden) to the weights' dtype first
             x = x * jnp.asarray(cfg.hidden_size**0.5, jnp.dtype(cfg.param_dtype))
         return x.astype(jnp.dtype(cfg.dtype))
@@ -317,7 +320,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0, layout: Layout | None = None):
         """See `apply`."""
         cfg = self.config
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens, layout)
         if layout is not None:
             x = layout.constrain(x, HIDDEN_AXES)
         masks = {"valid": key_valid}
