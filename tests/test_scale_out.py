@@ -192,12 +192,25 @@ CHECKPOINT = """
             np.testing.assert_array_equal(np.asarray(a), b)
         q = restored["params"]["layers"][0]["self_attn"]["q_proj"]["weight"][...]
         print(shape, {s.data.shape for s in q.addressable_shards})
+
+    # A Hugging Face directory loads straight onto a mesh, each tensor placed by its logical axes as it is read.
+    from jaxrl.convert import load_policy
+    hf_dir = directory + "-hf"
+    models.save_pretrained(saved.policy, hf_dir, progress=False)
+    layout = models.Layout(make_mesh(1, 4, 2))
+    loaded = load_policy(hf_dir, layout=layout)
+    assert loaded.layout == layout
+    q = loaded.params["layers"][0]["self_attn"]["q_proj"]["weight"][...]
+    assert {s.data.shape for s in q.addressable_shards} == {(16, 8)}, q.sharding
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected["params"])):
+        np.testing.assert_array_equal(np.asarray(a), b)
     print("OK")
 """
 
 
 def test_checkpoint_from_one_mesh_restores_onto_others(tmp_path):
-    """Written from (2,2,2), restored onto (1,8,1) and onto one device: equal values, the target's layout."""
+    """Written from (2,2,2), restored onto (1,8,1) and onto one device: equal values, the target's layout.
+    A Hugging Face export of the sharded policy loads onto (1,4,2) split as it is read."""
     out = _run_with_8_devices(CHECKPOINT % {"directory": str(tmp_path / "ckpt")})
     assert "(1, 8, 1) {(32, 4)}" in out and "(1, 1, 1) {(32, 32)}" in out
 
