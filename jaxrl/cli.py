@@ -35,6 +35,10 @@ def _train(args: argparse.Namespace) -> int:
     except (TokenizerError, ChatTemplateError) as e:
         print(f"jaxrl: tokenizer error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # settings that the devices or data contradict (mesh size, batch divisibility, ...)
+        logging.getLogger("jaxrl").debug("run stopped", exc_info=True)
+        print(f"jaxrl: error: {e}", file=sys.stderr)
+        return 2
     keys = ("accuracy_before_rl", "accuracy_after_rl", "accuracy_gain", "num_eval_problems",
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))

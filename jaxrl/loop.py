@@ -294,6 +294,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     train_problems, eval_problems, corpus, data_totals = load_task(config)
     layout = layout_from(config.mesh)
     mesh = layout.mesh
+    check_batch_sizes(config, dict(mesh.shape))
     policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -366,6 +367,20 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
                        f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} "
                        f"(seed {config.seed})")
     return summary
+
+
+def check_batch_sizes(config: Config, mesh_shape: dict[str, int]) -> None:
+    """Every batch of the run must split evenly over the data-parallel axes (`data` x `fsdp`): raise a
+    `ValueError` naming the config fields and the numbers otherwise, before anything is compiled."""
+    parallel = mesh_shape["data"] * mesh_shape["fsdp"]
+    where = f"the data-parallel size {parallel} (mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']})"
+    batches = {"rl.prompts_per_step x rl.group_size": config.rl.prompts_per_step * config.rl.group_size,
+               "eval.batch_size": config.eval.batch_size}
+    if config.sft.steps:
+        batches["sft.batch_size"] = config.sft.batch_size
+    for name, rows in batches.items():
+        if rows % parallel:
+            raise ValueError(f"{name} = {rows} rows do not split over {where}; use a multiple of {parallel}")
 
 
 def _metrics_path(out: str) -> str:

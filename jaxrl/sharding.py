@@ -79,6 +79,10 @@ def rules_from(rows: tuple[tuple[str, ...], ...]) -> Rules:
         if row[0] not in table:
             raise ValueError(f"mesh.rules[{i}] names the unknown logical axis {row[0]!r}; known: "
                              f"{', '.join(table)}")
+        unknown = [axis for axis in row[1:] if axis not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"mesh.rules[{i}] maps {row[0]!r} to the unknown mesh axis {unknown[0]!r}; the mesh "
+                             f"has {', '.join(MESH_AXES)}")
         table[row[0]] = tuple(row[1:])
     return tuple(table.items())
 

@@ -255,6 +255,8 @@ def test_mesh_shape_and_rules_without_devices():
     assert rules["embed"] == () and rules["vocab"] == ("tensor", "fsdp") and rules["heads"] == ("tensor",)
     with pytest.raises(ValueError, match=r"mesh.rules\[0\] names the unknown logical axis 'embedding'"):
         rules_from((("embedding", "fsdp"),))
+    with pytest.raises(ValueError, match=r"mesh.rules\[1\] maps 'embed' to the unknown mesh axis 'model'"):
+        rules_from((("vocab", "tensor"), ("embed", "model")))
     import jax
     from jaxrl.sharding import make_mesh
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
@@ -267,3 +269,25 @@ def test_mesh_shape_and_rules_without_devices():
     assert not wants_distributed("off", "host:1234", {"SLURM_NTASKS": "4"})
     assert wants_distributed("on", None, {})
     del jax
+
+
+def test_batches_that_do_not_split_over_the_data_axes_are_refused_before_any_work():
+    from jaxrl.config import Config
+    from jaxrl.loop import check_batch_sizes
+
+    check_batch_sizes(Config(), {"data": 2, "fsdp": 4, "tensor": 1})  # 16 x 8, 256 and 64 rows split
+    with pytest.raises(ValueError, match=r"rl.prompts_per_step x rl.group_size = 128 rows do not split over the "
+                                         r"data-parallel size 3 \(mesh data=3 x fsdp=1\); use a multiple of 3"):
+        check_batch_sizes(Config(), {"data": 3, "fsdp": 1, "tensor": 2})
+    import dataclasses
+    config = dataclasses.replace(Config(), eval=dataclasses.replace(Config().eval, batch_size=100))
+    with pytest.raises(ValueError, match=r"eval.batch_size = 100 rows do not split over the data-parallel size 8"):
+        check_batch_sizes(config, {"data": 4, "fsdp": 2, "tensor": 1})
+
+
+def test_cli_reports_a_mesh_that_does_not_fit(tmp_path, capsys):
+    from jaxrl import cli
+
+    code = cli.main(["train", "configs/default.yaml", "mesh.data=2", f"output_dir={tmp_path}", "progress=false"])
+    assert code == 2
+    assert "jaxrl: error: mesh data=2 x fsdp=1 x tensor=1 = 2 devices, but 1 are available" in capsys.readouterr().err
