@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"jaxrl: configuration error: {e}", file=sys.stderr)
         return 2
     from jaxrl.data.prompts import DataError
-    from jaxrl.loop import run
+    from jaxrl.loop import TrainingDiverged, run
     from jaxrl.tokenizer import ChatTemplateError, TokenizerError
     from models.hf import CheckpointError
 
@@ -35,6 +35,9 @@ def _train(args: argparse.Namespace) -> int:
     except (TokenizerError, ChatTemplateError) as e:
         print(f"jaxrl: tokenizer error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"jaxrl: training stopped: {e}", file=sys.stderr)
+        return 3
     except ValueError as e:  # settings that the devices or data contradict (mesh size, batch divisibility, ...)
         logging.getLogger("jaxrl").debug("run stopped", exc_info=True)
         print(f"jaxrl: error: {e}", file=sys.stderr)

@@ -89,6 +89,9 @@ class RLConfig:
     epochs: int = _field(1, gt=0)
     minibatches: int = _field(1, gt=0)
     micro_batches: int = _field(1, gt=0)  # gradient accumulation inside each optimizer step
+    # An optimizer step whose loss or gradients are not finite is skipped (parameters untouched, logged as
+    # train/skipped); this many consecutive RL steps with skipped updates stop the run.
+    max_consecutive_skips: int = _field(3, gt=0)
     sampling: SamplingConfig = _section(SamplingConfig)
     loss: LossConfig = _section(LossConfig)
     critic: CriticConfig = _section(CriticConfig)

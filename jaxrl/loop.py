@@ -52,6 +52,10 @@ def optimizer_from(config: OptimConfig):
     return make_optimizer(**dataclasses.asdict(config))
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive RL steps had a non-finite loss or gradient (`rl.max_consecutive_skips`)."""
+
+
 class Generation(NamedTuple):
     """One `Generator` call. In a multi-host run each process has the rows of its own prompts."""
 
@@ -460,7 +464,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                          "shards of the processes (one per process holding distinct rows of the batch)")
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
-    totals = {"reward_timeouts_total": 0, "reward_errors_total": 0}
+    totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0}
+    consecutive_skips = 0
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
     greedy = dataclasses.replace(rl.sampling, temperature=0.0)
     bar = tqdm(range(1, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True)
@@ -506,6 +511,16 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         state, metrics = rl_update(state, step_fn, train_batch, controls, config, step,
                                    ref_policy if full_kl else None)
         t3 = time.perf_counter()
+        consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
+        if metrics["skipped"] > 0:
+            totals["skipped_updates_total"] += int(round(metrics["skipped"] * rl.epochs * rl.minibatches))
+            log.warning("RL step %d: %.0f%% of its optimizer updates skipped (non-finite loss or gradients; "
+                        "parameters left as they were)", step, 100 * metrics["skipped"])
+            if consecutive_skips >= rl.max_consecutive_skips:
+                raise TrainingDiverged(
+                    f"RL steps {step - consecutive_skips + 1}..{step}: {consecutive_skips} consecutive steps with "
+                    f"non-finite loss or gradients (rl.max_consecutive_skips = {rl.max_consecutive_skips}); the "
+                    f"last checkpoint in {config.output_dir}/checkpoints holds the last good parameters")
         if loss_config.adaptive:
             if "entropy" not in metrics:
                 raise ValueError("entropy_target / temperature_target_entropy need the loss to report an "

@@ -270,7 +270,8 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
 
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
     `make_rl_gradients` for the batch. Metrics: the loss terms' metrics, `grad_norm` (policy, before
-    clipping) and `critic_grad_norm` with a critic.
+    clipping), `critic_grad_norm` with a critic, and `skipped`: 1.0 when the loss or a gradient was not
+    finite, in which case the state is returned unchanged (parameters, optimizer state and step count).
     """
     gradients = make_rl_gradients(loss, micro_batches=micro_batches, norm_length=norm_length, full_kl=full_kl)
 
@@ -278,8 +279,13 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     def rl_step(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
         grads, metrics = gradients(state, batch, controls, ref_policy)
         metrics["grad_norm"] = optax.tree.norm(grads["policy"])
+        finite = jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(metrics.get("loss", 0.0))
         if state.critic is not None:
             metrics["critic_grad_norm"] = optax.tree.norm(grads["critic"])
-        return _apply_gradients(state, optimizer, grads, critic_optimizer), metrics
+            finite &= jnp.isfinite(metrics["critic_grad_norm"])
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        new = jax.lax.cond(finite, lambda: _apply_gradients(state, optimizer, grads, critic_optimizer),
+                           lambda: state)
+        return new, metrics
 
     return rl_step

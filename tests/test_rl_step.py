@@ -263,3 +263,40 @@ def test_shaped_reward_components_are_logged_and_normalised_one_by_one(tmp_path,
         expected = r["reward/correct"] + 0.5 * r["reward/format"] + r["reward/overlong"] + r["reward/length"]
         assert r["reward/total"] == pytest.approx(expected, abs=1e-6)
         assert r["reward/overlong"] <= 0 and r["reward/length"] <= 0 and r["batch/advantage_std"] > 0
+
+
+def test_a_step_with_a_planted_nan_is_skipped_and_leaves_the_state_untouched():
+    """A NaN advantage in one row makes the loss non-finite: the step reports `skipped` and returns the very
+    same parameters, optimizer state and step count; the next clean batch trains normally."""
+    from jaxrl.train import make_optimizer, make_rl_step
+
+    policy = models.init(MODEL, 0)
+    optimizer = make_optimizer(1e-2)
+    state = init_train_state(policy, optimizer)
+    step = make_rl_step(optimizer, losses.build_loss(LossConfig(preset="grpo")), norm_length=N)
+    controls = Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    batch = _batch(policy)
+    poisoned = dict(batch, advantages=batch["advantages"].at[5, 2].set(jnp.nan))
+    after, metrics = step(state, poisoned, controls)
+    assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trained, metrics = step(after, batch, controls)
+    assert float(metrics["skipped"]) == 0.0 and int(trained.step) == 1
+    assert _relative_error(trained.policy.params, state.policy.params) > 0
+
+
+def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, monkeypatch):
+    """Each non-finite step is skipped and logged (`train/skipped`); rl.max_consecutive_skips of them in a row
+    stop the run with the step numbers and the setting."""
+    grpo = losses.build_loss(LossConfig(preset="grpo"))
+
+    def always_nan(inputs, norm, controls):
+        value, metrics = grpo(inputs, norm, controls)
+        return value * jnp.nan, metrics
+
+    with pytest.raises(loop.TrainingDiverged, match=r"RL steps 1..2: 2 consecutive steps with non-finite loss "
+                                                    r"or gradients \(rl.max_consecutive_skips = 2\)"):
+        _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", loss=always_nan)
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
+    assert [(r["step"], r["train/skipped"], r["train/grad_norm"]) for r in records] == [(1, 1.0, None)]
