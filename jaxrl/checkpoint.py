@@ -23,8 +23,21 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)))
 
+    @property
+    def directory(self) -> str:
+        return str(self._manager.directory)
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    @staticmethod
+    def newest(directory: str | os.PathLike) -> int | None:
+        """The newest complete checkpoint step under `directory` (None: no directory or no checkpoint); reads
+        without creating anything."""
+        if not os.path.isdir(directory):
+            return None
+        steps = ocp.utils.checkpoint_steps(os.path.abspath(directory))
+        return max(steps) if steps else None
 
     def restore(self, step: int | None, like: Any) -> tuple[Any, dict]:
         """Restore the state with the structure, shapes, dtypes and shardings of `like`."""

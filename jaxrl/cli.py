@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"jaxrl: configuration error: {e}", file=sys.stderr)
         return 2
     from jaxrl.data.prompts import DataError
-    from jaxrl.loop import TrainingDiverged, run
+    from jaxrl.loop import Preempted, TrainingDiverged, run
     from jaxrl.tokenizer import ChatTemplateError, TokenizerError
     from models.hf import CheckpointError
 
@@ -35,6 +35,9 @@ def _train(args: argparse.Namespace) -> int:
     except (TokenizerError, ChatTemplateError) as e:
         print(f"jaxrl: tokenizer error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"jaxrl: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as if the signal had ended the process
     except TrainingDiverged as e:
         print(f"jaxrl: training stopped: {e}", file=sys.stderr)
         return 3

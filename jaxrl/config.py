@@ -226,6 +226,9 @@ class Config:
     seed: int = 0
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
+    # Go on from the newest checkpoint in output_dir (parameters, optimizer state, critic, controls, data
+    # position, RL step): the result equals an uninterrupted run's. The model must be the checkpoint's.
+    resume: bool = False
     model: ModelConfig = _section(ModelConfig)
     pretrained: PretrainedConfig = _section(PretrainedConfig)
     tokenizer: TokenizerConfig = _section(TokenizerConfig)

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -288,8 +290,12 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     times: dict[str, float] = {}
     initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
     out = config.output_dir
+    resume_step = resume_point(config) if config.resume else None
     if is_primary():
-        _prepare_output_dir(out)
+        if resume_step is None:
+            _prepare_output_dir(out)
+        else:
+            _truncate_metrics(os.path.join(out, "metrics.jsonl"), resume_step)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(configlib.dump_yaml(config))
 
@@ -315,19 +321,24 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     with MetricsWriter(_metrics_path(out)) as writer, \
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
-        t0 = time.perf_counter()
-        state = warm_start(policy, config, generate, train_problems, writer)
-        times["sft_time_s"] = time.perf_counter() - t0
+        if resume_step is None:
+            t0 = time.perf_counter()
+            state = warm_start(policy, config, generate, train_problems, writer)
+            times["sft_time_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        before = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
-        times["eval_before_time_s"] = time.perf_counter() - t0
-        writer.write({"phase": "rl", "step": 0, **before})
-        log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
+            t0 = time.perf_counter()
+            before = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
+            times["eval_before_time_s"] = time.perf_counter() - t0
+            writer.write({"phase": "rl", "step": 0, **before})
+            log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
+        else:  # the warm-started policy, its evaluation and the RL state come from the run being resumed
+            state = init_train_state(policy, optimizer_from(config.sft.optim))
+            before = _recorded_evaluation(os.path.join(out, "metrics.jsonl"))
+            log.info("resuming %s after RL step %d", out, resume_step)
 
         t0 = time.perf_counter()
         state, controls, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer,
-                                      checkpointer, loss, advantage_fn)
+                                      checkpointer, loss, advantage_fn, resume_step)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -335,8 +346,6 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         times["eval_after_time_s"] = time.perf_counter() - t0
         writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
 
-    checkpointer.save(config.rl.steps, _checkpoint_state(state, controls),
-                      {"phase": "done", "rl_step": config.rl.steps})
     checkpointer.close()
     if config.pretrained.path is not None and config.pretrained.export_hf:
         exported = state.policy.replace(params=gather_params(state.policy.params), layout=None)
@@ -410,9 +419,13 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layo
     """The pretrained checkpoint and its tokenizer, or a fresh `config.model` and a sentencepiece tokenizer
     trained on the task's text (saved next to the run's outputs); the policy placed by `layout`."""
     if config.pretrained.path is None:
-        tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
-        if is_primary():
-            tokenizer.save(os.path.join(config.output_dir, "tokenizer.model"))
+        saved = os.path.join(config.output_dir, "tokenizer.model")
+        if config.resume and os.path.exists(saved):  # the resumed run's own tokenizer
+            tokenizer = load_tokenizer(saved)
+        else:
+            tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
+        if is_primary() and not config.resume:
+            tokenizer.save(saved)
         return models.shard(models.init(config.model, config.seed), layout), tokenizer
     pretrained = config.pretrained
     try:
@@ -440,7 +453,7 @@ def _hf_files(path: str) -> str | None:
 
 
 def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
-        loss: Term | None = None, advantage_fn: AdvantageFn | None = None):
+        loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None):
     rl, loss_config = config.rl, config.rl.loss
     ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
@@ -458,17 +471,33 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                                         advantage_fn=advantage_fn,
                                         component_weights=tuple(config.reward.component_weights().values())))
     controls = Controls.initial(loss_config, rl.sampling.temperature)
+    keep_ref = loss_config.needs_ref_logp or full_kl
+    first_step = 1
+    if resume_step is not None:
+        state, controls, ref_policy, metadata = _restore(checkpointer, resume_step, state, controls,
+                                                         ref_policy if keep_ref else None)
+        ref_policy = ref_policy if keep_ref else state.policy
+        first_step = resume_step + 1
     shard, shards = data_shard(generate.mesh)
     if rl.prompts_per_step % shards:
         raise ValueError(f"rl.prompts_per_step ({rl.prompts_per_step}) does not split over the {shards} data "
                          "shards of the processes (one per process holding distinct rows of the batch)")
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
+    if resume_step is not None:
+        prompts_iter.set_state(metadata["prompt_iterator"])
+
+    def save(step: int, phase: str) -> None:
+        checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
+                          {"phase": phase, "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
+
+    preempted = _PreemptionFlag()
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0}
     consecutive_skips = 0
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
     greedy = dataclasses.replace(rl.sampling, temperature=0.0)
-    bar = tqdm(range(1, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True)
+    bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
+               initial=first_step - 1, total=rl.steps)
     last_accuracy = None
     for step in bar:
         record: dict[str, Any] = {"phase": "rl", "step": step}
@@ -544,16 +573,115 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
             last_accuracy = record["eval/accuracy"]
         writer.write(record)
-        if config.checkpoint.every and step % config.checkpoint.every == 0 and step != rl.steps:
-            checkpointer.save(step, _checkpoint_state(state, controls),
-                              {"phase": "rl", "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
+        if step == rl.steps:
+            save(step, "done")
+        elif config.checkpoint.every and step % config.checkpoint.every == 0 or preempted:
+            save(step, "rl")
+        if preempted:
+            checkpointer.wait()
+            preempted.restore()
+            raise Preempted(f"stopped by SIGTERM after RL step {step}; its checkpoint is in {checkpointer.directory}: "
+                            f"run again with resume=true to go on")
         postfix = {"reward": f"{record['reward/mean']:.2f}"}
         if "entropy" in metrics:
             postfix["entropy"] = f"{metrics['entropy']:.3f}"
         if last_accuracy is not None:
             postfix["eval_acc"] = f"{last_accuracy:.2f}"
         bar.set_postfix(postfix)
+    preempted.restore()
     return state, controls, totals
+
+
+class Preempted(RuntimeError):
+    """The run received SIGTERM (e.g. a TPU preemption notice) and saved a checkpoint after its current step."""
+
+
+class _PreemptionFlag:
+    """True once SIGTERM arrived (installed only in the main thread; `restore` puts the old handler back)."""
+
+    def __init__(self):
+        self._set, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        del signum, frame
+        self._set = True
+
+    def __bool__(self) -> bool:
+        return self._set
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def resume_point(config: Config) -> int:
+    """The RL step of the newest checkpoint of the run in `config.output_dir`, after checking that the run
+    exists and that its model and critic are the ones `config` describes. Raises `CheckpointError`."""
+    out = config.output_dir
+    directory = os.path.join(out, "checkpoints")
+    step = Checkpointer.newest(directory)
+    if step is None:
+        raise CheckpointError(f"resume=true, but {directory} holds no checkpoint: no earlier run to resume in "
+                              f"output_dir {out} (run without resume=true to start one)")
+    saved_path = os.path.join(out, "config.yaml")
+    try:
+        saved = configlib.load_config(Config, saved_path)
+    except (OSError, configlib.ConfigError) as e:
+        raise CheckpointError(f"resume=true: cannot read the resumed run's config {saved_path}: {e}") from None
+    now, then = configlib.to_dict(config), configlib.to_dict(saved)
+    mismatches = [f"{section}.{key}: checkpoint {then[section].get(key)!r}, config {value!r}"
+                  for section in ("model", "pretrained") for key, value in now[section].items()
+                  if key not in ("attention_impl", "remat", "export_hf") and then[section].get(key) != value]
+    for key in ("seed", "rl.critic.model", "rl.loss.preset"):
+        a, b = configlib.to_dict(config), configlib.to_dict(saved)
+        for part in key.split("."):
+            a, b = a[part], b[part]
+        if a != b:
+            mismatches.append(f"{key}: checkpoint {b!r}, config {a!r}")
+    if mismatches:
+        raise CheckpointError(f"resume=true: the run in {out} does not match the config: " + "; ".join(mismatches))
+    return step
+
+
+def _restore(checkpointer: Checkpointer, step: int, state: TrainState, controls: Controls, ref_policy):
+    """The RL state, controls, reference policy and metadata saved at `step`, laid out like `state`."""
+    like = _checkpoint_state(state, controls, ref_policy)
+    try:
+        saved, metadata = checkpointer.restore(step, like)
+    except Exception as e:  # orbax raises many types for missing or damaged files
+        raise CheckpointError(f"resume=true: cannot restore checkpoint {step} in {checkpointer.directory}: "
+                              f"{type(e).__name__}: {e}") from None
+    state = state.replace(policy=state.policy.replace(params=saved["params"]), opt_state=saved["opt_state"],
+                          step=saved["step"])
+    if state.critic is not None:
+        state = state.replace(critic=state.critic.replace(params=saved["critic_params"]),
+                              critic_opt_state=saved["critic_opt_state"])
+    controls = controls.replace(**saved["controls"])
+    if ref_policy is not None:
+        ref_policy = ref_policy.replace(params=saved["ref_params"])
+    return state, controls, ref_policy, metadata
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Keep the records up to RL step `step` (those written after the checkpoint are written again)."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r.get("phase") != "rl" or (r["step"] <= step and not r.get("final"))]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
+def _recorded_evaluation(path: str) -> dict[str, Any]:
+    """The held-out evaluation after the warm start, as the resumed run recorded it (step 0)."""
+    for record in read_metrics(path):
+        if record.get("phase") == "rl" and record.get("step") == 0 and "eval/accuracy" in record:
+            return {k: v for k, v in record.items() if k.startswith("eval/")}
+    raise CheckpointError(f"resume=true: {path} has no evaluation after the warm start (RL step 0)")
 
 
 def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh) -> rewards.RewardResult:
@@ -568,7 +696,7 @@ def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh)
     return rewards.RewardResult(np.asarray(all_rewards, np.float32), timeouts, errors, local.seconds)
 
 
-def _checkpoint_state(state: TrainState, controls: Controls) -> dict[str, Any]:
+def _checkpoint_state(state: TrainState, controls: Controls, ref_policy=None) -> dict[str, Any]:
     controls = {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature}
     if state.policy.layout is not None:  # host values: on the mesh, so that every process saves them alike
         controls = replicate(jax.device_get(controls), state.policy.layout.mesh)
@@ -576,6 +704,8 @@ def _checkpoint_state(state: TrainState, controls: Controls) -> dict[str, Any]:
              "controls": controls}
     if state.critic is not None:
         saved.update(critic_params=state.critic.params, critic_opt_state=state.critic_opt_state)
+    if ref_policy is not None:  # the frozen reference of KL terms: the warm-started policy
+        saved["ref_params"] = ref_policy.params
     return saved
 
 

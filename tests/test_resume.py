@@ -1,0 +1,132 @@
+"""Exact resume: a run killed with SIGKILL (or stopped by SIGTERM) and resumed with `resume=true` ends with
+the parameters, optimizer state and metrics of a run that was never interrupted; bad resumes say why."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# A tiny, quick version of the default recipe. The entropy bonus gives every step a gradient even when the
+# barely warm-started policy earns no reward.
+RECIPE = [
+    "model.hidden_size=32", "model.num_layers=2", "model.head_dim=8", "model.intermediate_size=64",
+    "task.num_train=200", "task.num_eval=16", "sft.steps=5", "sft.batch_size=8", "rl.steps=12",
+    "rl.prompts_per_step=4", "rl.group_size=4", "rl.minibatches=2", "rl.sampling.max_new_tokens=24",
+    "rl.loss.entropy_coef=0.01", "rl.loss.kl_coef=0.01", "eval.every=0", "eval.batch_size=16",
+    "checkpoint.every=4", "reward.num_workers=1", "progress=false",
+]
+LOCAL = ("time/", "eval/seconds", "reward/seconds", "sampler/compiled_programs")
+
+
+def _command(out, *extra):
+    return [sys.executable, "-m", "jaxrl.cli", "train", "configs/default.yaml", *RECIPE, f"output_dir={out}", *extra]
+
+
+def _env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _train(out, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(out, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _state(out, step):
+    return ocp.StandardCheckpointer().restore(os.path.join(out, "checkpoints", str(step), "state"))
+
+
+def _rl_records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if not k.startswith(LOCAL)} for r in records if r["phase"] == "rl"]
+
+
+def _assert_same_state(a, b):
+    leaves_a, leaves_b = jax_leaves(a), jax_leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 0
+    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y, err_msg=path)  # bitwise
+
+
+def jax_leaves(tree):
+    import jax
+    return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _interrupted(out, sig, after_step: int, *extra):
+    """Start the run; send `sig` once the checkpoint of `after_step` is complete; return the process."""
+    process = subprocess.Popen(_command(out, *extra), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    target = os.path.join(out, "checkpoints", str(after_step))
+    deadline = time.time() + 240
+    while not os.path.isdir(target) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    process.send_signal(sig)
+    process.communicate(timeout=120)
+    return process
+
+
+def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    whole = _train(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    process = _interrupted(out, signal.SIGKILL, 4)
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "checkpoints" / "12").exists(), "the run finished before it could be killed"
+    resumed = _train(out, "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr
+
+    for step in (8, 12):  # 2k and the end
+        _assert_same_state(_state(out, step), _state(tmp_path / "whole", step))
+    before, after = _state(tmp_path / "whole", 8)["params"], _state(tmp_path / "whole", 12)["params"]
+    assert any((x != y).any() for (_, x), (_, y) in zip(jax_leaves(before), jax_leaves(after))), "nothing trained"
+    assert _rl_records(out) == _rl_records(tmp_path / "whole")
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path):
+    """A preemption notice: the step in progress finishes, its checkpoint is written, the process exits 143."""
+    out = tmp_path / "preempted"
+    process = _interrupted(out, signal.SIGTERM, 4)
+    assert process.returncode == 143, process.stderr
+    steps = sorted(int(d) for d in os.listdir(out / "checkpoints") if d.isdigit())
+    assert steps[-1] > 4 or steps == [4]  # the step after the signal was saved (or 4 itself)
+    resumed = _train(out, "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "checkpoints" / "12").is_dir()
+
+
+def test_bad_resumes_name_the_problem(tmp_path):
+    missing = _train(tmp_path / "nothing", "resume=true")
+    assert missing.returncode == 2
+    assert "resume=true, but" in missing.stderr and "holds no checkpoint" in missing.stderr
+
+    out = tmp_path / "run"
+    first = _train(out, "rl.steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    other_shape = _train(out, "rl.steps=8", "model.hidden_size=64", "resume=true")
+    assert other_shape.returncode == 2
+    assert "model.hidden_size: checkpoint 32, config 64" in other_shape.stderr, other_shape.stderr[-2000:]
+
+    for name in os.listdir(out / "checkpoints" / "4" / "state"):  # damage the saved arrays
+        path = out / "checkpoints" / "4" / "state" / name
+        if path.is_dir():
+            for root, _, files in os.walk(path):
+                for f in files:
+                    with open(os.path.join(root, f), "wb") as handle:
+                        handle.write(b"garbage")
+    corrupt = _train(out, "rl.steps=8", "resume=true")
+    assert corrupt.returncode == 2
+    assert "cannot restore checkpoint 4" in corrupt.stderr, corrupt.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
