@@ -318,7 +318,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
-    with MetricsWriter(_metrics_path(out)) as writer, \
+    metrics_path = _metrics_path(out)
+    with MetricsWriter(metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl")) as writer, \
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
         if resume_step is None:
@@ -666,14 +667,17 @@ def _restore(checkpointer: Checkpointer, step: int, state: TrainState, controls:
 
 
 def _truncate_metrics(path: str, step: int) -> None:
-    """Keep the records up to RL step `step` (those written after the checkpoint are written again)."""
-    if not os.path.exists(path):
-        return
-    kept = [r for r in read_metrics(path) if r.get("phase") != "rl" or (r["step"] <= step and not r.get("final"))]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    """Keep the records (and timings) up to RL step `step`: those written after the checkpoint are written
+    again by the resumed run."""
+    for file in (path, os.path.join(os.path.dirname(path), "timings.jsonl")):
+        if not os.path.exists(file):
+            continue
+        kept = [r for r in read_metrics(file)
+                if r.get("phase") != "rl" or (r["step"] <= step and not r.get("final"))]
+        tmp = file + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, file)
 
 
 def _recorded_evaluation(path: str) -> dict[str, Any]:
@@ -712,7 +716,7 @@ def _checkpoint_state(state: TrainState, controls: Controls, ref_policy=None) ->
 def _prepare_output_dir(out: str) -> None:
     """A fresh run owns its output directory: stale metrics and checkpoints of an earlier run are removed."""
     os.makedirs(out, exist_ok=True)
-    for name in ("metrics.jsonl", "summary.json", "reward_accuracy.png"):
+    for name in ("metrics.jsonl", "timings.jsonl", "summary.json", "reward_accuracy.png"):
         path = os.path.join(out, name)
         if os.path.exists(path):
             os.remove(path)

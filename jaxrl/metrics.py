@@ -19,18 +19,39 @@ def to_python(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Appends one JSON object per call to `path`; each line is flushed so nothing is lost on a crash."""
+def is_wall_clock(key: str) -> bool:
+    """Whether a metric is a wall-clock duration (`time/*`, `*/seconds`): the one thing two runs of the same
+    seed do not share."""
+    return key.startswith("time/") or key.endswith("/seconds")
 
-    def __init__(self, path: str | os.PathLike):
+
+class MetricsWriter:
+    """Appends one JSON object per call to `path`; each line is flushed so nothing is lost on a crash.
+
+    Wall-clock durations go to `timings_path` (with the record's `phase` and `step`) instead, so that two runs
+    of the same seed write identical metrics files.
+    """
+
+    def __init__(self, path: str | os.PathLike, timings_path: str | os.PathLike | None = None):
         self._file = open(path, "a", encoding="utf-8")
+        self._timings = None if timings_path is None else open(timings_path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: to_python(v) for k, v in record.items()}) + "\n")
+        record = {k: to_python(v) for k, v in record.items()}
+        if self._timings is not None:
+            timings = {k: v for k, v in record.items() if is_wall_clock(k)}
+            record = {k: v for k, v in record.items() if not is_wall_clock(k)}
+            if timings:
+                keys = {k: record[k] for k in ("phase", "step", "final") if k in record}
+                self._timings.write(json.dumps({**keys, **timings}) + "\n")
+                self._timings.flush()
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._timings is not None:
+            self._timings.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
