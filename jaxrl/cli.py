@@ -1,4 +1,5 @@
-"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl convert SRC DST [options]`,
+"""`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl eval CONFIG checkpoint=PATH [key=value ...]`,
+`jaxrl convert SRC DST [options]`,
 `jaxrl bench sample [options]`."""
 
 from __future__ import annotations
@@ -52,6 +53,33 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from jaxrl.config import Config
+
+    checkpoints = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
+    overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
+    if len(checkpoints) != 1:
+        print("jaxrl: eval needs exactly one checkpoint=PATH (a run, one of its checkpoints/<step>, a policy "
+              "checkpoint or a Hugging Face directory)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(Config, args.config, overrides)
+    except ConfigError as e:
+        print(f"jaxrl: configuration error: {e}", file=sys.stderr)
+        return 2
+    from jaxrl.data.prompts import DataError
+    from jaxrl.loop import evaluate_checkpoint
+    from models.hf import CheckpointError
+
+    try:
+        result = evaluate_checkpoint(config, checkpoints[0])
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"jaxrl: eval error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from jaxrl.convert import convert, parse_size  # heavy imports (jax, orbax) only once the arguments parse
     from models.hf import CheckpointError
@@ -89,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.set_defaults(handler=_train)
+    evaluate = commands.add_parser("eval", help="held-out evaluation of a checkpoint: greedy accuracy, pass@k, maj@k",
+                                   description="Evaluate checkpoint=PATH on the recipe's held-out problems; "
+                                               "eval.samples=N eval.pass_k=[1,8] add pass@k and maj@k.")
+    evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="checkpoint=PATH and config overrides")
+    evaluate.set_defaults(handler=_eval)
     convert = commands.add_parser(
         "convert", help="convert checkpoints: Hugging Face <-> orbax policy checkpoint, run -> Hugging Face",
         description="Convert a checkpoint. SRC: a Hugging Face directory (config.json + safetensors), a policy "

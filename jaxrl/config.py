@@ -178,10 +178,21 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Greedy accuracy on the held-out problems."""
+    """Greedy accuracy on the held-out problems; after RL, optionally also `samples` completions per problem
+    at `temperature`, scored as pass@k (unbiased estimator) and maj@k for each k in `pass_k`."""
 
     every: int = _field(20, ge=0)  # RL steps between evaluations (0: only before and after RL)
-    batch_size: int = _field(256, gt=0)
+    batch_size: int = _field(256, gt=0)  # sequences per sampler call
+    samples: int = _field(0, ge=0)  # completions per problem for pass@k / maj@k (0: greedy accuracy only)
+    pass_k: tuple[int, ...] = _field((1,), gt=0)
+    temperature: float = _field(1.0, gt=0)
+
+    def validate(self) -> None:
+        if self.samples and max(self.pass_k) > self.samples:
+            raise ValueError(f"eval.pass_k {list(self.pass_k)} has k > eval.samples ({self.samples})")
+        if self.samples > self.batch_size:
+            raise ValueError(f"eval.samples ({self.samples}) exceeds eval.batch_size ({self.batch_size}): one "
+                             "sampler call must hold a problem's samples")
 
 
 @dataclasses.dataclass(frozen=True)

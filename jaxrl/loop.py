@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import models
-from jaxrl import configlib, losses, rewards
+from jaxrl import configlib, evaluation, losses, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
 from jaxrl.convert import describe_source, load_policy
@@ -160,6 +160,50 @@ def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, ba
     return {"eval/accuracy": float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
             "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
             "eval/sample": sample_text}
+
+
+def evaluate_sampled(policy, generate: Generator, problems, pool: rewards.RewardPool, config: Config,
+                     key: jax.Array) -> dict[str, float]:
+    """pass@k and maj@k on `problems`: `config.eval.samples` completions of each at `config.eval.temperature`
+    (one prefill per problem, its samples sharing its KV cache), scored by the run's reward; a completion is
+    correct when its verifiable reward is 1. maj@k votes on the normalised extracted answers (math and
+    arithmetic rewards; none for code)."""
+    e = config.eval
+    settings = dataclasses.replace(config.rl.sampling, temperature=e.temperature)
+    per_call = max(1, e.batch_size // e.samples)  # problems per sampler call
+    mine = process_rows(per_call, generate.mesh)
+    start, correct, votes = time.perf_counter(), [], []
+    with_answers = config.reward.function in ("arithmetic", "math")
+    for i in range(0, len(problems), per_call):
+        chunk = list(problems[i:i + per_call])
+        padded = (chunk + [chunk[-1]] * (per_call - len(chunk)))[mine]
+        real = max(0, min(len(chunk), mine.stop) - mine.start)
+        generation = generate(policy, [p.prompt for p in padded], jax.random.fold_in(key, i), settings,
+                              group_size=e.samples)
+        texts = generation.texts[:real * e.samples]
+        local = np.zeros((len(padded), e.samples), bool)
+        if real:
+            scores = pool.score(texts, [p.reference for p in padded[:real] for _ in range(e.samples)]).rewards
+            local[:real] = scores.reshape(real, e.samples) >= 1.0
+        local_votes = np.zeros((len(padded), len(e.pass_k)), bool)
+        if with_answers:
+            for p in range(real):
+                answers = [_answer_key(t) for t in texts[p * e.samples:(p + 1) * e.samples]]
+                local_votes[p] = [evaluation.majority_correct(answers[:k], local[p, :k]) for k in e.pass_k]
+        all_correct, all_votes = gather((local, local_votes), generate.mesh)
+        correct.append(all_correct[:len(chunk)])
+        votes.append(all_votes[:len(chunk)])
+    metrics = evaluation.sampled_metrics(np.concatenate(correct), e.pass_k)
+    if with_answers:
+        metrics.update({f"eval/maj@{k}": float(v) for k, v in zip(e.pass_k, np.concatenate(votes).mean(0))})
+    metrics.update({"eval/samples": e.samples, "eval/temperature": e.temperature,
+                    "eval/sampling/seconds": time.perf_counter() - start})
+    return metrics
+
+
+def _answer_key(text: str) -> str | None:
+    answer = rewards.extract_answer(text)
+    return None if answer is None else rewards.normalize_answer(answer)
 
 
 def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
@@ -344,6 +388,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
 
         t0 = time.perf_counter()
         after = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
+        if config.eval.samples:
+            after.update(evaluate_sampled(state.policy, generate, eval_problems, pool, config,
+                                          jax.random.fold_in(jax.random.key(config.seed), 4)))
         times["eval_after_time_s"] = time.perf_counter() - t0
         writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
 
@@ -362,6 +409,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         "num_eval_problems": len(eval_problems),
         "completion_length_before_rl": before["eval/completion_length"],
         "completion_length_after_rl": after["eval/completion_length"],
+        **{k.removeprefix("eval/") + "_after_rl": v for k, v in after.items()
+           if k.startswith(("eval/pass@", "eval/maj@"))},
         **times,
         **totals,
         **data_totals,
@@ -381,6 +430,42 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
                        f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} "
                        f"(seed {config.seed})")
     return summary
+
+
+def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
+    """Held-out evaluation of a saved policy (`jaxrl eval CONFIG checkpoint=PATH`): greedy accuracy and, with
+    `eval.samples`, pass@k / maj@k, on the evaluation problems of `config` (task, data, reward, sampling).
+
+    `checkpoint`: a run directory (its newest checkpoint), one of its `checkpoints/<step>`, a policy checkpoint
+    or a Hugging Face directory. A run's tokenizer is its `tokenizer.model`; otherwise `tokenizer.path` or the
+    checkpoint's own tokenizer files."""
+    initialize_distributed(config.distributed)
+    _, eval_problems, _, _ = load_task(config)
+    layout = layout_from(config.mesh)
+    source = describe_source(checkpoint)
+    try:
+        policy = load_policy(checkpoint, layout=layout, progress=config.progress)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint: {e}") from None
+    if source.kind == "run":
+        tokenizer_path = os.path.join(os.path.dirname(os.path.dirname(source.directory)), "tokenizer.model")
+    else:
+        tokenizer_path = config.tokenizer.path or _hf_files(checkpoint)
+    if tokenizer_path is None or not os.path.exists(os.path.expanduser(tokenizer_path)):
+        raise CheckpointError(f"checkpoint: no tokenizer found for {checkpoint} (looked for {tokenizer_path}); "
+                              "set tokenizer.path")
+    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), stop_tokens=config.tokenizer.stop_tokens)
+    generate = Generator.fitting([p.prompt for p in eval_problems], tokenizer, layout.mesh,
+                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
+                                 config.tokenizer.stop_strings)
+    with rewards.RewardPool(REWARD_FUNCTIONS[config.reward.function], num_workers=config.reward.num_workers,
+                            timeout_s=config.reward.timeout_s, batch_timeout_s=config.reward.batch_timeout_s) as pool:
+        result = evaluate(policy, generate, eval_problems, pool, config.eval.batch_size,
+                          config.rl.sampling.max_new_tokens)
+        if config.eval.samples:
+            result.update(evaluate_sampled(policy, generate, eval_problems, pool, config,
+                                           jax.random.fold_in(jax.random.key(config.seed), 4)))
+    return {"checkpoint": os.path.abspath(checkpoint), "kind": source.kind, "step": source.step, **result}
 
 
 def check_batch_sizes(config: Config, mesh_shape: dict[str, int]) -> None:

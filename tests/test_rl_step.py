@@ -1,6 +1,7 @@
 """The RL step with any loss composition: gradient accumulation is exact, a variant written outside the
 library trains through the normal trainer, and every preset runs the default recipe."""
 
+import json
 import math
 import os
 import sys
@@ -300,3 +301,36 @@ def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, mon
         _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", loss=always_nan)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
     assert [(r["step"], r["train/skipped"], r["train/grad_norm"]) for r in records] == [(1, 1.0, None)]
+
+
+def test_sampled_evaluation_reports_pass_at_k_and_maj_at_k(tmp_path, monkeypatch):
+    _run(tmp_path, monkeypatch, "eval.samples=4", "eval.pass_k=[1, 2, 4]", "eval.batch_size=16")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    p1, p2, p4 = (summary[f"pass@{k}_after_rl"] for k in (1, 2, 4))
+    assert 0.0 <= p1 <= p2 <= p4 <= 1.0
+    assert all(0.0 <= summary[f"maj@{k}_after_rl"] <= 1.0 for k in (1, 2, 4))
+    final = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("final")][0]
+    assert final["eval/samples"] == 4 and final["eval/pass@4"] == p4
+    from jaxrl.configlib import ConfigError
+    with pytest.raises(ConfigError, match=r"eval.pass_k \[1, 8\] has k > eval.samples \(4\)"):
+        load_config(Config, "configs/default.yaml", ["eval.samples=4", "eval.pass_k=[1, 8]"])
+
+
+def test_jaxrl_eval_of_the_final_checkpoint_reproduces_the_runs_evaluation(tmp_path, monkeypatch, capsys):
+    """`jaxrl eval CONFIG checkpoint=RUN` loads the newest checkpoint (sharded like a run) and its tokenizer:
+    the greedy accuracy is the run's own final evaluation; sampled metrics come with eval.samples."""
+    from jaxrl import cli
+
+    out = tmp_path / "run"
+    _run(out, monkeypatch, "rl.steps=2")
+    summary = json.loads((out / "summary.json").read_text())
+    args = ["eval", "configs/default.yaml", *TINY, f"checkpoint={out}", "eval.samples=2", "eval.pass_k=[1, 2]"]
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kind"] == "run" and result["step"] == 2
+    assert result["eval/accuracy"] == summary["accuracy_after_rl"]
+    assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
+    assert cli.main(["eval", "configs/default.yaml", *TINY]) == 2
+    assert "exactly one checkpoint=PATH" in capsys.readouterr().err
+    assert cli.main(["eval", "configs/default.yaml", *TINY, f"checkpoint={tmp_path / 'nothing'}"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
