@@ -75,6 +75,7 @@ class CriticConfig:
     """The value model of PPO-style estimators (GAE)."""
 
     model: Literal["none", "policy_copy"] = "none"  # policy_copy: the policy's trunk + a zero-initialised head
+    warmup_steps: int = _field(0, ge=0)  # first RL steps that train only the critic (the policy waits)
     optim: OptimConfig = _section(OptimConfig, learning_rate=1e-3, warmup_steps=5)
 
 
@@ -92,6 +93,9 @@ class RLConfig:
     # An optimizer step whose loss or gradients are not finite is skipped (parameters untouched, logged as
     # train/skipped); this many consecutive RL steps with skipped updates stop the run.
     max_consecutive_skips: int = _field(3, gt=0)
+    # The KL terms' reference policy is the warm-started one; every this many RL steps it becomes the current
+    # policy instead (0: never), as in periodic reference resets.
+    ref_reset_every: int = _field(0, ge=0)
     sampling: SamplingConfig = _section(SamplingConfig)
     loss: LossConfig = _section(LossConfig)
     critic: CriticConfig = _section(CriticConfig)

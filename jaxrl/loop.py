@@ -548,10 +548,11 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     state = init_train_state(state.policy, optimizer, init_critic(state.policy) if with_critic else None,
                              critic_optimizer)
     full_kl = loss_config.needs_full_kl
-    step_fn = make_rl_step(optimizer, loss or losses.build_loss(loss_config, with_critic=with_critic),
-                           micro_batches=rl.micro_batches,
-                           norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
-                           critic_optimizer=critic_optimizer, full_kl=full_kl)
+    step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
+                     critic_optimizer=critic_optimizer, full_kl=full_kl)
+    objective = loss or losses.build_loss(loss_config, with_critic=with_critic)
+    step_fn = make_rl_step(optimizer, objective, **step_args)
+    warmup_fn = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
     logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         advantage_fn=advantage_fn,
@@ -623,8 +624,13 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
                        if k in batch}
         train_batch.update(fields)
-        state, metrics = rl_update(state, step_fn, train_batch, controls, config, step,
+        warming_up = with_critic and step <= rl.critic.warmup_steps
+        state, metrics = rl_update(state, warmup_fn if warming_up else step_fn, train_batch, controls, config, step,
                                    ref_policy if full_kl else None)
+        if warming_up:
+            record["train/critic_warmup"] = 1.0
+        if rl.ref_reset_every and step % rl.ref_reset_every == 0:
+            ref_policy = state.policy  # the KL terms now pull towards the current policy
         t3 = time.perf_counter()
         consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
         if metrics["skipped"] > 0:

@@ -265,13 +265,15 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
 
 def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_batches: int = 1,
                  norm_length: float = 1.0, critic_optimizer: optax.GradientTransformation | None = None,
-                 full_kl: bool = False):
+                 full_kl: bool = False, update_policy: bool = True):
     """One optimizer step of `loss` (any composition of `jaxrl.losses` terms, or your own) on a mini-batch.
 
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
     `make_rl_gradients` for the batch. Metrics: the loss terms' metrics, `grad_norm` (policy, before
     clipping), `critic_grad_norm` with a critic, and `skipped`: 1.0 when the loss or a gradient was not
     finite, in which case the state is returned unchanged (parameters, optimizer state and step count).
+    `update_policy=False` trains only the critic (PPO's critic warm-up): the policy and its optimizer state
+    stay as they are.
     """
     gradients = make_rl_gradients(loss, micro_batches=micro_batches, norm_length=norm_length, full_kl=full_kl)
 
@@ -284,8 +286,11 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
             metrics["critic_grad_norm"] = optax.tree.norm(grads["critic"])
             finite &= jnp.isfinite(metrics["critic_grad_norm"])
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        new = jax.lax.cond(finite, lambda: _apply_gradients(state, optimizer, grads, critic_optimizer),
-                           lambda: state)
-        return new, metrics
+        def apply():
+            new = _apply_gradients(state, optimizer, grads, critic_optimizer)
+            if not update_policy:
+                new = new.replace(policy=state.policy, opt_state=state.opt_state)
+            return new
+        return jax.lax.cond(finite, apply, lambda: state), metrics
 
     return rl_step

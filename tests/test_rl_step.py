@@ -334,3 +334,23 @@ def test_jaxrl_eval_of_the_final_checkpoint_reproduces_the_runs_evaluation(tmp_p
     assert "exactly one checkpoint=PATH" in capsys.readouterr().err
     assert cli.main(["eval", "configs/default.yaml", *TINY, f"checkpoint={tmp_path / 'nothing'}"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_critic_warmup_trains_only_the_critic_first(tmp_path, monkeypatch):
+    records, updates = _run(tmp_path, monkeypatch, *PRESET_ARGS["ppo"], "rl.critic.warmup_steps=1")
+    (before1, after1), (before2, after2) = updates
+    assert _relative_error(before1, after1) == 0.0, "the policy moved during the critic warm-up"
+    assert _relative_error(before2, after2) > 0
+    assert records[0]["train/critic_warmup"] == 1.0 and "train/critic_warmup" not in records[1]
+    assert records[0]["train/critic_grad_norm"] > 0
+
+
+def test_reference_reset_makes_the_kl_restart_from_zero(tmp_path, monkeypatch):
+    """With one on-policy update per step, a reference reset every step leaves nothing between the policy and
+    its reference when the next update starts: the KL estimate is 0 there, and not without the reset."""
+    common = ["rl.minibatches=1", "rl.micro_batches=1", "rl.steps=3", "rl.loss.kl_coef=0.1", "rl.loss.preset=grpo",
+              "rl.optim.learning_rate=0.01", "rl.optim.warmup_steps=0"]
+    reset, _ = _run(tmp_path / "reset", monkeypatch, *common, "rl.ref_reset_every=1")
+    kept, _ = _run(tmp_path / "kept", monkeypatch, *common)
+    assert [r["train/kl_ref"] for r in reset] == [0.0, 0.0, 0.0]
+    assert kept[0]["train/kl_ref"] == 0.0 and kept[2]["train/kl_ref"] > kept[1]["train/kl_ref"] > 1e-3
