@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+from jaxrl.sharding import addressable_rows
 from models import GroupKVCache, KVCache, Policy
 
 FINISH_EOS, FINISH_LENGTH = 0, 1
@@ -217,7 +218,8 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
                          f"({policy.config.max_position_embeddings})")
     if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_valid, jax.core.Tracer):
         return  # traced inside a caller's jit: values are not known here
-    (tokens, first), (valid, _) = _host_rows(prompt_tokens), _host_rows(prompt_valid)
+    # In a multi-host run each process checks the rows it holds.
+    (tokens, first), (valid, _) = addressable_rows(prompt_tokens), addressable_rows(prompt_valid)
     empty = np.flatnonzero(~valid.any(axis=1))
     if empty.size:
         raise ValueError(f"prompt row {first + int(empty[0])} is empty (no valid token); {empty.size} empty rows")
@@ -230,15 +232,6 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
         row += first
         raise ValueError(f"prompt row {row}, position {col}: token id {int(tokens[row, col])} is outside the "
                          f"model's vocabulary [0, {policy.config.vocab_size})")
-
-
-def _host_rows(x) -> tuple[np.ndarray, int]:
-    """`(rows, index of the first)`: the rows of `x [batch, ...]` this process holds (all of them unless `x` is
-    a global array of a multi-host run; every process checks its own)."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x), 0
-    parts = {shard.index[0].start or 0: shard.data for shard in x.addressable_shards}
-    return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)]), min(parts)
 
 
 def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]:

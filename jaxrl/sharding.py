@@ -158,18 +158,24 @@ def from_process_local(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(place, tree)
 
 
+def addressable_rows(x: jax.Array) -> tuple[np.ndarray, int]:
+    """`(rows, index of the first)`: the rows of `x [batch, ...]` held by this process's devices, as numpy
+    (all of them, from 0, unless `x` is a global array of a multi-host run split along its first axis)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x), 0
+    parts = {}
+    for shard in x.addressable_shards:
+        parts.setdefault(shard.index[0].start or 0, shard.data)
+    return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)]), min(parts)
+
+
 def process_local(tree: Any, mesh: Mesh) -> Any:
     """This process's rows (`process_rows`) of global arrays, as numpy (scalars are read whole)."""
     def read(x):
         if x.ndim == 0 or x.is_fully_addressable:
             return np.asarray(x)[process_rows(x.shape[0], mesh)] if x.ndim else np.asarray(x)
-        x = jax.device_put(x, batch_sharding(mesh))  # a no-op when already split over the data axes
+        local, _ = addressable_rows(jax.device_put(x, batch_sharding(mesh)))  # no-op if split over data axes
         rows = process_rows(x.shape[0], mesh)
-        parts = {}
-        for shard in x.addressable_shards:
-            start = shard.index[0].start or 0
-            parts.setdefault(start, np.asarray(shard.data))
-        local = np.concatenate([parts[k] for k in sorted(parts)])
         assert local.shape[0] == rows.stop - rows.start, (local.shape, rows)
         return local
     return jax.tree.map(read, tree)
