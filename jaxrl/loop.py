@@ -36,7 +36,7 @@ from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
-from jaxrl.sharding import (data_shard, from_process_local, gather, initialize_distributed, is_primary,
+from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
                             layout_from, process_local, process_max, process_rows, replicate, shard_batch)
 from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, left_pad, load_tokenizer, round_up,
                              train_tokenizer)
@@ -136,17 +136,24 @@ def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[
     return tuple(sorted(lengths))
 
 
+def _process_batches(problems, size: int, mesh):
+    """Batches of `size` problems, the last padded by repeating its final problem (one compiled program for
+    all), each as `(start, chunk, mine, real)`: the unpadded problems, this process's rows of the padded
+    batch, and how many of those rows are real problems rather than padding."""
+    rows = process_rows(size, mesh)
+    for start in range(0, len(problems), size):
+        chunk = list(problems[start:start + size])
+        mine = (chunk + [chunk[-1]] * (size - len(chunk)))[rows]
+        yield start, chunk, mine, max(0, min(len(chunk), rows.stop) - rows.start)
+
+
 def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
              max_new_tokens: int) -> dict[str, float]:
     """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all.
     Each process samples and scores its rows of every batch; the scores are gathered."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     start, scores, lengths, sample_text = time.perf_counter(), [], [], None
-    mine = process_rows(batch_size, generate.mesh)
-    for i in range(0, len(problems), batch_size):
-        chunk = list(problems[i:i + batch_size])
-        padded = (chunk + [chunk[-1]] * (batch_size - len(chunk)))[mine]
-        real = max(0, min(len(chunk), mine.stop) - mine.start)  # rows of this process that are not padding
+    for _, chunk, padded, real in _process_batches(problems, batch_size, generate.mesh):
         generation = generate(policy, [p.prompt for p in padded], jax.random.key(0), greedy)
         local_scores = np.zeros(len(padded), np.float32)
         if real:
@@ -171,13 +178,9 @@ def evaluate_sampled(policy, generate: Generator, problems, pool: rewards.Reward
     e = config.eval
     settings = dataclasses.replace(config.rl.sampling, temperature=e.temperature)
     per_call = max(1, e.batch_size // e.samples)  # problems per sampler call
-    mine = process_rows(per_call, generate.mesh)
     start, correct, votes = time.perf_counter(), [], []
     with_answers = config.reward.function in ("arithmetic", "math")
-    for i in range(0, len(problems), per_call):
-        chunk = list(problems[i:i + per_call])
-        padded = (chunk + [chunk[-1]] * (per_call - len(chunk)))[mine]
-        real = max(0, min(len(chunk), mine.stop) - mine.start)
+    for i, chunk, padded, real in _process_batches(problems, per_call, generate.mesh):
         generation = generate(policy, [p.prompt for p in padded], jax.random.fold_in(key, i), settings,
                               group_size=e.samples)
         texts = generation.texts[:real * e.samples]
@@ -396,7 +399,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
 
     checkpointer.close()
     if config.pretrained.path is not None and config.pretrained.export_hf:
-        exported = state.policy.replace(params=gather_params(state.policy.params), layout=None)
+        exported = state.policy.replace(params=allgather(state.policy.params), layout=None)  # whole on each process
         if is_primary():
             models.save_pretrained(exported, os.path.join(out, "hf"), base=_hf_files(config.pretrained.path),
                                    progress=config.progress)
@@ -489,15 +492,6 @@ def _metrics_path(out: str) -> str:
     directory = os.path.join(out, f"process_{jax.process_index()}")
     os.makedirs(directory, exist_ok=True)
     return os.path.join(directory, "metrics.jsonl")
-
-
-def gather_params(params):
-    """Parameters as host arrays on every process (an all-gather in a multi-host run, where no process holds
-    them all); for exporting, not for training."""
-    if jax.process_count() == 1:
-        return params
-    from jax.experimental import multihost_utils
-    return multihost_utils.process_allgather(params, tiled=True)
 
 
 def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layout
@@ -728,7 +722,7 @@ def resume_point(config: Config) -> int:
                   for section in ("model", "pretrained") for key, value in now[section].items()
                   if key not in ("attention_impl", "remat", "export_hf") and then[section].get(key) != value]
     for key in ("seed", "rl.critic.model", "rl.loss.preset"):
-        a, b = configlib.to_dict(config), configlib.to_dict(saved)
+        a, b = now, then
         for part in key.split("."):
             a, b = a[part], b[part]
         if a != b:
@@ -784,8 +778,7 @@ def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh)
     scored the same rows, as when only `tensor` splits them, counted once)."""
     if jax.process_count() == 1:
         return local
-    from jax.experimental import multihost_utils
-    counts = multihost_utils.process_allgather(np.asarray([local.timeouts, local.errors], np.int64))
+    counts = allgather(np.asarray([local.timeouts, local.errors], np.int64), stack=True)
     duplicates = jax.process_count() // data_shard(mesh)[1]
     timeouts, errors = (int(c) // duplicates for c in np.asarray(counts).reshape(-1, 2).sum(0))
     return rewards.RewardResult(np.asarray(all_rewards, np.float32), timeouts, errors, local.seconds)

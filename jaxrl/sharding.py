@@ -186,15 +186,21 @@ def gather(tree: Any, mesh: Mesh) -> Any:
     process (numpy). Single-process runs return the arrays unchanged."""
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
-    global_arrays = from_process_local(tree, mesh)
-    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), global_arrays)
+    return jax.tree.map(np.asarray, allgather(from_process_local(tree, mesh)))
+
+
+def allgather(tree: Any, stack: bool = False) -> Any:
+    """Every array of `tree` whole on every process: global arrays gathered from their shards, or (with
+    `stack`) host arrays stacked over processes `[processes, ...]`. Single-process runs get `tree` back
+    (stacked as `[1, ...]` with `stack`). Every process must call it."""
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda x: np.asarray(x)[None], tree) if stack else tree
+    return multihost_utils.process_allgather(tree, tiled=not stack)
 
 
 def process_max(value: int) -> int:
     """The largest of `value` over all processes (every process must call it)."""
-    if jax.process_count() == 1:
-        return int(value)
-    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
+    return int(np.max(allgather(np.asarray([value], np.int64), stack=True)))
 
 
 def is_primary() -> bool:
