@@ -70,13 +70,19 @@ def _timed(fn) -> float:
 
 def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int = 64, group: int = 8,
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
-                 seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute") -> dict:
+                 seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute",
+                 dtype: str | None = None, bandwidth: bool = False) -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
-    `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`. Figures: `compile_s` (first call
-    minus a steady call), `call_s` (median of `repeats` timed calls after the first), `tokens_per_s`
-    (prompts * group * new_tokens / call_s), `ttft_s` (time to first token: median of `repeats` calls of the same
-    workload with `new_tokens=1`, after their own warm-up call), `peak_memory_bytes`, the device and versions.
+    `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`; `dtype` (e.g. "bfloat16") stores and
+    computes the weights in that dtype instead of the preset's. Figures: `compile_s` (first call minus a steady
+    call), `call_s` (median of `repeats` timed calls after the first), `tokens_per_s` (prompts * group *
+    new_tokens / call_s), `ttft_s` (time to first token: median of `repeats` calls of the same workload with
+    `new_tokens=1`, after their own warm-up call), `decode_step_s` ((call_s - ttft_s) / (new_tokens - 1)),
+    `decode_bytes_per_step` (the fewest bytes one decode step must read: `decode_bytes_per_step`),
+    `peak_memory_bytes`, the device and versions. `bandwidth` also measures the device's copy bandwidth
+    (`copy_bandwidth`) and reports `memory_bound_fraction`: the time the step's bytes need at that bandwidth
+    over the measured step time (1.0 = at the memory-bandwidth limit).
     """
     import jax
     import jax.numpy as jnp
@@ -90,6 +96,10 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     model_name, config = _model_config(model)
+    if dtype is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
     shared = prefix_sharing
 
     policy = models.init(config, seed)
@@ -125,6 +135,11 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     ttft_s = statistics.median(ttft_times)
     peak, peak_source = _peak_memory()
     device = jax.devices()[0]
+    decode_step_s = (call_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else None
+    step_bytes = decode_bytes_per_step(config, prompts, group, prompt_len, new_tokens, shared, kv_cache_dtype)
+    copy_bytes_per_s = copy_bandwidth() if bandwidth else None
+    bound_fraction = (step_bytes / copy_bytes_per_s / decode_step_s
+                      if copy_bytes_per_s and decode_step_s and decode_step_s > 0 else None)
     return {
         "benchmark": "sample",
         "model": model_name,
@@ -149,6 +164,10 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "tokens_per_s": generated / call_s,
         "ttft_s": ttft_s,
         "ttft_times_s": ttft_times,
+        "decode_step_s": decode_step_s,
+        "decode_bytes_per_step": step_bytes,
+        "copy_bytes_per_s": copy_bytes_per_s,
+        "memory_bound_fraction": bound_fraction,
         "peak_memory_bytes": peak,
         "peak_memory_source": peak_source,
         "platform": device.platform,
@@ -159,6 +178,46 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "jax_version": jax.__version__,
         "jaxlib_version": _jaxlib_version(),
     }
+
+
+def decode_bytes_per_step(config, prompts: int, group: int, prompt_len: int, new_tokens: int, shared: bool,
+                          kv_cache_dtype: str = "compute") -> int:
+    """The fewest bytes one decode step of the workload must read from device memory, averaged over its steps.
+
+    Every weight once (the input embedding table only through its `prompts * group` looked-up rows, unless
+    tied to the unembedding, which reads it whole) plus every layer's cached keys and values: with prefix
+    sharing each prompt's prefix once per group and each sequence's own completion; without it, each
+    sequence's prompt and completion. A completion holds `new_tokens / 2` tokens on average over the steps.
+    """
+    import numpy as np
+
+    import models
+
+    sequences = prompts * group
+    param_bytes = np.dtype(config.param_dtype).itemsize
+    weights = models.num_parameters(config)
+    if not config.tie_embeddings:
+        weights -= config.vocab_size * config.hidden_size - sequences * config.hidden_size
+    if kv_cache_dtype == "int8":  # int8 keys and values plus a float32 scale per slot and head
+        slot = 2 * config.num_kv_heads * (config.head_dim + 4)
+    else:
+        slot = 2 * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
+    prefix_tokens = (prompts if shared else sequences) * prompt_len
+    cached_tokens = prefix_tokens + sequences * new_tokens / 2
+    return int(weights * param_bytes + config.num_layers * slot * cached_tokens)
+
+
+def copy_bandwidth(size_bytes: int = 2**30, repeats: int = 10) -> float:
+    """The default device's memory bandwidth in bytes/s: a jitted elementwise copy of a `size_bytes` float32
+    array (bytes read + bytes written over the median time of `repeats` calls after a warm-up)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.arange(size_bytes // 4, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(copy(x))
+    times = [_timed(lambda: copy(x)) for _ in range(repeats)]
+    return 2 * x.nbytes / statistics.median(times)
 
 
 def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int = 64, completion_len: int = 128,
@@ -394,6 +453,11 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SamplingConfig.kv_cache_dtype (default: compute)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default: 0)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights and compute dtype (default: the preset's)")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="measure the device's copy bandwidth and report the decode step's fraction of the "
+                             "memory-bandwidth bound")
 
 
 def run_sample(args: argparse.Namespace) -> int:
@@ -406,7 +470,8 @@ def run_sample(args: argparse.Namespace) -> int:
         return 2
     kwargs = dict(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, group=args.group,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
-                  decode_segments=args.decode_segments, kv_cache_dtype=args.kv_cache)
+                  decode_segments=args.decode_segments, kv_cache_dtype=args.kv_cache, dtype=args.dtype,
+                  bandwidth=args.bandwidth)
     try:
         if args.compare:
             result = compare_sample(**kwargs)
@@ -422,6 +487,12 @@ def run_sample(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     print()
     print(_describe(rows[0]))
+    for r in rows:
+        if r["memory_bound_fraction"] is not None:
+            print(f"decode step {1e3 * r['decode_step_s']:.2f} ms reads >= {r['decode_bytes_per_step'] / 1e9:.3f} GB; "
+                  f"at the measured copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s that is "
+                  f"{100 * r['memory_bound_fraction']:.0f}% of the memory-bandwidth bound"
+                  f" ({'prefix sharing' if r['prefix_sharing'] else 'repeated prompts'})")
     if args.compare:
         print(f"prefix sharing vs repeated prompts: tokens/s x{result['speedup_tokens_per_s']:.2f}, "
               f"time to first token x{result['speedup_ttft']:.2f}, peak memory x{result['peak_memory_ratio']:.2f}")

@@ -187,13 +187,14 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
       window: sliding window (key j visible to query i iff `i - window < j <= i`); None: full causal.
       implementation: `xla` (the reference, `attention` with a dense mask), `cudnn`
         (`jax.nn.dot_product_attention`'s cuDNN kernel, NVIDIA GPUs) or `splash` (JAX's Pallas splash attention,
-        TPUs). cuDNN has no soft-capping: with `softcap` it falls back to `xla`.
+        TPUs). cuDNN has no soft-capping and takes only bf16/fp16 inputs with head_dim a multiple of 8 up to
+        128 (`cudnn_supports`): otherwise it falls back to `xla`.
       interpret: run the Pallas kernel in interpret mode (always so off TPU: tests on CPU).
 
     Returns:
       `[batch, seq, num_heads, head_dim]` in q's dtype. Rows of padding queries are unspecified.
     """
-    if implementation == "cudnn" and softcap is None:
+    if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]):
         return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
     if implementation == "splash":
         interpret = interpret or jax.default_backend() != "tpu"
@@ -208,12 +209,39 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
     return attention(q, KV(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), mask, scale=scale, softcap=softcap)
 
 
+CUDNN_SEQ_MULTIPLE = 64  # cuDNN's flash kernels reject some odd lengths ("Unsupported sequence length Q 511")
+
+
+def cudnn_supports(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused attention takes inputs of this dtype and head size (float32 it does not)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 \
+        and head_dim <= 128
+
+
 def _cudnn_self_attention(q, k, v, valid, scale, window, implementation):
-    """`jax.nn.dot_product_attention` (GQA native); padding as a `[batch, 1, 1, seq]` key mask."""
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=valid[:, None, None, :], scale=scale if scale is not None else q.shape[-1] ** -0.5,
-        is_causal=True, local_window_size=None if window is None else (window - 1, 0),
+    """`jax.nn.dot_product_attention` (GQA native) on a left-padded batch.
+
+    cuDNN takes padding only as per-row lengths of right-padded sequences (a broadcast `[batch, 1, 1, seq]`
+    mask is refused: "Bias must have same seq length as QKV"). Each row is rotated so its real tokens come
+    first, attended with `query/key_value_seq_lengths`, and rotated back. The real tokens keep their order, so
+    causality and the sliding window are unchanged (RoPE has already been applied at the original positions).
+    """
+    seq = q.shape[1]
+    padded = -(-seq // CUDNN_SEQ_MULTIPLE) * CUDNN_SEQ_MULTIPLE
+    lengths = valid.sum(axis=1, dtype=jnp.int32)  # left padding: the real tokens are the last `lengths`
+    to_right = (jnp.arange(seq)[None, :] + (seq - lengths)[:, None]) % seq  # [batch, seq] source index
+
+    def rotate(x, index):  # then pad the sequence at the end: past `lengths`, so masked
+        x = jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+        return jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
+
+    out = jax.nn.dot_product_attention(
+        rotate(q, to_right), rotate(k, to_right), rotate(v, to_right),
+        scale=scale if scale is not None else q.shape[-1] ** -0.5, is_causal=True, query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths, local_window_size=None if window is None else (window - 1, 0),
         implementation=implementation)
+    back = (jnp.arange(seq)[None, :] + lengths[:, None]) % seq
+    return jnp.take_along_axis(out, back[:, :, None, None], axis=1)
 
 
 SPLASH_BLOCK = 128  # TPU lanes: sequence blocks of the splash kernel

@@ -157,3 +157,15 @@ def test_resolve_implementation():
     assert resolve_implementation("splash", "cpu") == "splash"
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
         resolve_implementation("flash")
+
+
+def test_cudnn_falls_back_to_xla_where_cudnn_cannot_run():
+    """float32 inputs (the CPU presets) or a head size cuDNN rejects take the XLA path, so `auto` on a GPU never
+    hands cuDNN what it cannot compute; bf16 inputs with head_dim 64 would go to cuDNN."""
+    from kernels.attention import cudnn_supports, self_attention
+
+    q, k, v, valid = _self_attention_case(jnp.float32)
+    got = self_attention(q, k, v, valid, implementation="cudnn")  # would raise on CPU if it reached cuDNN
+    np.testing.assert_array_equal(got, self_attention(q, k, v, valid))
+    assert not cudnn_supports(jnp.float32, 64) and not cudnn_supports(jnp.bfloat16, 60)
+    assert cudnn_supports(jnp.bfloat16, 64) and cudnn_supports(jnp.float16, 128)

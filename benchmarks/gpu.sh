@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU measurements of benchmarks/RESULTS.md, in two stages that each fit one 10-minute device call.
+#   bash benchmarks/gpu.sh checks   # versions, kernel checks (cuDNN attention, chunked log-probs), GPU pytest
+#   bash benchmarks/gpu.sh sample   # sampler throughput and memory-bandwidth fraction, Qwen2.5-0.5B shapes
+#   bash benchmarks/gpu.sh sample-flags  # the decode loop under XLA command buffers
+#   bash benchmarks/gpu.sh train    # RL train step throughput and MFU
+# Logs go to $OUT (or ./gpu-logs). Uses the machine's python3 with jax[cuda], flax, optax installed.
+set -u
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+QWEN="--model qwen2.5-0.5b --dtype bfloat16 --group 8 --prompt-len 256 --new-tokens 256 --bandwidth"
+
+case "${1:-checks}" in
+checks)
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+  $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+  $PY benchmarks/gpu_checks.py 2>&1 | tee "$OUT/gpu_checks.txt"
+  # The sampler/kernel tests on the GPU, float32 matmuls at full precision (no TF32) as on CPU.
+  JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_sampling.py tests/test_attention.py tests/test_logprobs.py -k "not long_run" 2>&1 | tail -25 \
+    | tee "$OUT/gpu_pytest.txt"
+  ;;
+sample)
+  for prompts in 8 16 32; do  # batch 64, 128, 256
+    $PY -m jaxrl.bench sample $QWEN --prompts $prompts 2>&1 | tee "$OUT/sample_qwen_$prompts.txt"
+  done
+  $PY -m jaxrl.bench sample $QWEN --prompts 32 --no-prefix-sharing 2>&1 | tee "$OUT/sample_qwen_32_unshared.txt"
+  $PY -m jaxrl.bench sample $QWEN --prompts 32 --kv-cache int8 2>&1 | tee "$OUT/sample_qwen_32_int8.txt"
+  $PY -m jaxrl.bench sample --compare 2>&1 | tee "$OUT/sample_bench_small.txt"
+  ;;
+sample-flags)  # decode loop launch overhead: XLA command buffers (CUDA graphs) around while-loop bodies
+  $PY -m jaxrl.bench sample $QWEN --prompts 8 --repeats 5 2>&1 | tee "$OUT/flags_default.txt"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    $PY -m jaxrl.bench sample $QWEN --prompts 8 --repeats 5 2>&1 | tee "$OUT/flags_while.txt"
+  $PY -m jaxrl.bench sample $QWEN --prompts 8 --repeats 5 --decode-segments 1 2>&1 | tee "$OUT/flags_segments1.txt"
+  ;;
+train)
+  $PY -m jaxrl.bench train --model qwen2.5-0.5b --dtype bfloat16 --sequences 64 --prompt-len 256 \
+    --completion-len 256 --peak-tflops 989 2>&1 | tee "$OUT/train_qwen.txt"
+  $PY -m jaxrl.bench train --model qwen2.5-0.5b --dtype bfloat16 --sequences 64 --prompt-len 256 \
+    --completion-len 256 --peak-tflops 989 --remat full 2>&1 | tee "$OUT/train_qwen_remat.txt"
+  $PY -m jaxrl.bench train --dtype bfloat16 --peak-tflops 989 2>&1 | tee "$OUT/train_bench_small.txt"
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu.sh checks|sample|train" >&2
+  exit 2
+  ;;
+esac
