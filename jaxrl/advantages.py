@@ -37,6 +37,9 @@ class AdvantageConfig:
     lam_critic: float = dataclasses.field(default=1.0, metadata={"ge": 0, "le": 1})
     # VAPO: lam_actor = 1 - 1 / (alpha * length) per sequence (None: the constant lam_actor).
     length_adaptive_alpha: float | None = dataclasses.field(default=None, metadata={"gt": 0})
+    # gae: whiten the advantages over the batch's completion tokens (zero mean, unit std), as verl's and
+    # OpenRLHF's PPO do; the value targets are left as they are.
+    whiten: bool = False
     entropy_bonus_alpha: float = dataclasses.field(default=0.0, metadata={"ge": 0})  # 0 = off
     entropy_bonus_kappa: float = dataclasses.field(default=2.0, metadata={"gt": 0})
     entropy_weight: float = dataclasses.field(default=1.0, metadata={"ge": 0})  # gtpo alpha2 / grpo_s beta2
@@ -419,6 +422,8 @@ def compute(
             lam_actor = length_adaptive_lambda(mask.sum(axis=1), config.length_adaptive_alpha)
         advantages, returns = decoupled_gae(token_rewards, values, mask, gamma=config.gamma,
                                             lam_actor=lam_actor, lam_critic=config.lam_critic)
+        if config.whiten:
+            advantages = _whiten(advantages, mask, axis=None, eps=config.eps) * mask
     else:
         advantages = _sequence_level(
             config, rewards, mask, group_size, entropy=entropy, greedy_rewards=greedy_rewards,

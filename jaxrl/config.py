@@ -96,6 +96,11 @@ class RLConfig:
     # The KL terms' reference policy is the warm-started one; every this many RL steps it becomes the current
     # policy instead (0: never), as in periodic reference resets.
     ref_reset_every: int = _field(0, ge=0)
+    # One-step off-policy overlap: while step t's update runs, a background thread samples and scores step
+    # t+1 with the parameters from before that update (and the sampling temperature of step t). The loss
+    # corrects for the one-step lag with truncated importance sampling (rl.loss.is_level; "token" is used when
+    # it is "none"). Checkpoint steps are sampled on-policy, so a resumed run matches an uninterrupted one.
+    overlap: bool = False
     sampling: SamplingConfig = _section(SamplingConfig)
     loss: LossConfig = _section(LossConfig)
     critic: CriticConfig = _section(CriticConfig)

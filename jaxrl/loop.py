@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -252,6 +253,28 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
     if state.critic is not None:
         batch["old_values"] = value_fn(state.critic, tokens, prompt_valid)
     return batch
+
+
+class RolloutResult(NamedTuple):
+    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings."""
+
+    problems: list
+    generation: Generation
+    scored: rewards.RewardResult | None
+    sample_s: float
+    reward_s: float
+
+
+def step_timing(produced: RolloutResult, idle_s: float, reward_s: float, logprobs_s: float,
+                update_s: float) -> dict[str, float]:
+    """Seconds per phase of an RL step (`time/*`, wall clock, written to timings.jsonl).
+
+    sample_s, reward_s: sampling and scoring (with rl.overlap they ran in the background during the previous
+    step's update); logprobs_s: the wait for the log-probs (and values) after scoring; update_s: the
+    optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
+    """
+    return {"time/sample_s": produced.sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
+            "time/update_s": update_s, "time/idle_s": idle_s}
 
 
 def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
@@ -535,6 +558,13 @@ def _hf_files(path: str) -> str | None:
 def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
         loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None):
     rl, loss_config = config.rl, config.rl.loss
+    if rl.overlap and jax.process_count() > 1:
+        raise ValueError("rl.overlap runs the next step's sampling in a background thread, which is single-process "
+                         f"for now; this run has {jax.process_count()} processes: set rl.overlap=false")
+    if rl.overlap and loss_config.is_level == "none":
+        log.info("rl.overlap: correcting the one-step lag with token-level truncated importance sampling "
+                 "(rl.loss.is_level=token)")
+        loss_config = dataclasses.replace(loss_config, is_level="token")
     ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
@@ -567,113 +597,157 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     if resume_step is not None:
         prompts_iter.set_state(metadata["prompt_iterator"])
 
-    def save(step: int, phase: str) -> None:
-        checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
-                          {"phase": phase, "rl_step": step, "prompt_iterator": prompts_iter.get_state()})
-
     preempted = _PreemptionFlag()
     rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0}
     consecutive_skips = 0
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
     greedy = dataclasses.replace(rl.sampling, temperature=0.0)
+    background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
+    pending: Future | None = None  # the next step's rollout, being sampled (and scored) in the background
+    iterator_after_step = prompts_iter.get_state()  # the prompt iterator's state after the last finished step
+
+    def rollout(step: int, policy, problems, temperature, score: bool) -> RolloutResult:
+        """Sample step's completions (and, with `score`, their rewards): the main thread's or the background's."""
+        t0 = time.perf_counter()
+        generation = generate(policy, [p.prompt for p in problems], jax.random.fold_in(rl_key, step), rl.sampling,
+                              temperature, group_size=rl.group_size)
+        t1 = time.perf_counter()
+        scored = pool.score(generation.texts, [p.reference for p in problems for _ in range(rl.group_size)]) \
+            if score else None
+        return RolloutResult(problems, generation, scored, t1 - t0, time.perf_counter() - t1)
+
+    def flush() -> None:
+        """Wait for the background rollout (evaluation and checkpoints share the reward pool / need it done)."""
+        if pending is not None:
+            pending.result()
+
+    def save(step: int, phase: str) -> None:
+        flush()  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
+        checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
+                          {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step})
+
     bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
                initial=first_step - 1, total=rl.steps)
     last_accuracy = None
-    for step in bar:
-        record: dict[str, Any] = {"phase": "rl", "step": step}
-        step_key = jax.random.fold_in(rl_key, step)
-        t0 = time.perf_counter()
-        problems = next(prompts_iter)  # this process's share of the step's prompts
-        references = [p.reference for p in problems for _ in range(rl.group_size)]
-        generation = generate(state.policy, [p.prompt for p in problems], step_key, rl.sampling,
-                              controls.temperature, group_size=rl.group_size)
-        t1 = time.perf_counter()
-        batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls, ref_policy)
-        texts, local = generation.texts, generation.local
-        scored = pool.score(texts, references)  # on the host, while the device computes the log-probs
-        composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
-        seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
-                "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
-        if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
-            greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy).texts
-            greedy_scored = pool.score(greedy_texts, [p.reference for p in problems])
-            seen["greedy"] = np.repeat(greedy_scored.rewards, rl.group_size)
-        seen = gather(seen, generate.mesh)  # every process's rows, on every process
-        scored = _gathered_result(scored, seen["correct"], generate.mesh)
-        composed = rewards.compose(seen["components"], config.reward.component_weights())
-        greedy_rewards = seen.get("greedy")
-        if greedy_rewards is not None:
-            record["reward/greedy_mean"] = float(greedy_rewards.mean())
-        t2 = time.perf_counter()
-        reward_array = composed.total
-        component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
-        fields, prep_metrics = prepare(
-            rewards=shard_batch(reward_array, generate.mesh), completion_mask=batch["completion_mask"],
-            old_logp=batch["old_logp"], key=jax.random.fold_in(step_key, 1), truncated=batch["truncated"],
-            entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
-            values=batch.get("old_values"),
-            greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, generate.mesh),
-            components=shard_batch(component_array, generate.mesh))
-        train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
-                       if k in batch}
-        train_batch.update(fields)
-        warming_up = with_critic and step <= rl.critic.warmup_steps
-        state, metrics = rl_update(state, warmup_fn if warming_up else step_fn, train_batch, controls, config, step,
-                                   ref_policy if full_kl else None)
-        if warming_up:
-            record["train/critic_warmup"] = 1.0
-        if rl.ref_reset_every and step % rl.ref_reset_every == 0:
-            ref_policy = state.policy  # the KL terms now pull towards the current policy
-        t3 = time.perf_counter()
-        consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
-        if metrics["skipped"] > 0:
-            totals["skipped_updates_total"] += int(round(metrics["skipped"] * rl.epochs * rl.minibatches))
-            log.warning("RL step %d: %.0f%% of its optimizer updates skipped (non-finite loss or gradients; "
-                        "parameters left as they were)", step, 100 * metrics["skipped"])
-            if consecutive_skips >= rl.max_consecutive_skips:
-                raise TrainingDiverged(
-                    f"RL steps {step - consecutive_skips + 1}..{step}: {consecutive_skips} consecutive steps with "
-                    f"non-finite loss or gradients (rl.max_consecutive_skips = {rl.max_consecutive_skips}); the "
-                    f"last checkpoint in {config.output_dir}/checkpoints holds the last good parameters")
-        if loss_config.adaptive:
-            if "entropy" not in metrics:
-                raise ValueError("entropy_target / temperature_target_entropy need the loss to report an "
-                                 "'entropy' metric (losses.policy_term does)")
-            controls = update_controls(controls, float(metrics["entropy"]), loss_config)
-        totals["reward_timeouts_total"] += scored.timeouts
-        totals["reward_errors_total"] += scored.errors
-        record.update(scored.metrics())
-        if len(composed.components) > 1:
-            record.update(composed.metrics())
-        record.update({f"train/{k}": v for k, v in metrics.items()})
-        record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
-        record["train/entropy_coef"] = float(controls.entropy_coef)
-        record["train/temperature"] = float(controls.temperature)
-        record["train/completion_length"] = float(seen["length"].mean())
-        record["train/truncated_frac"] = float(seen["truncated"].mean())
-        record.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2})
-        record["sampler/compiled_programs"] = compiled_programs()
-        record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
-        if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
-            record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
-            last_accuracy = record["eval/accuracy"]
-        writer.write(record)
-        if step == rl.steps:
-            save(step, "done")
-        elif config.checkpoint.every and step % config.checkpoint.every == 0 or preempted:
-            save(step, "rl")
-        if preempted:
-            checkpointer.wait()
-            preempted.restore()
-            raise Preempted(f"stopped by SIGTERM after RL step {step}; its checkpoint is in {checkpointer.directory}: "
-                            f"run again with resume=true to go on")
-        postfix = {"reward": f"{record['reward/mean']:.2f}"}
-        if "entropy" in metrics:
-            postfix["entropy"] = f"{metrics['entropy']:.3f}"
-        if last_accuracy is not None:
-            postfix["eval_acc"] = f"{last_accuracy:.2f}"
-        bar.set_postfix(postfix)
+    try:
+        for step in bar:
+            record: dict[str, Any] = {"phase": "rl", "step": step}
+            step_key = jax.random.fold_in(rl_key, step)
+            t0 = time.perf_counter()
+            if pending is None:  # on-policy: sample with the current parameters, score below
+                produced = rollout(step, state.policy, next(prompts_iter), controls.temperature, score=False)
+            else:
+                produced, pending = pending.result(), None
+            iterator_after_step = prompts_iter.get_state()
+            t1 = time.perf_counter()
+            problems, generation = produced.problems, produced.generation
+            batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls, ref_policy)
+            texts, local = generation.texts, generation.local
+            t2 = time.perf_counter()
+            # on the host, while the device computes the log-probs (or already done in the background)
+            scored = produced.scored
+            if scored is None:
+                scored = pool.score(texts, [p.reference for p in problems for _ in range(rl.group_size)])
+            t3 = time.perf_counter()
+            reward_s = produced.reward_s if produced.scored is not None else t3 - t2
+            composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
+            seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
+                    "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
+            if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
+                greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy).texts
+                greedy_scored = pool.score(greedy_texts, [p.reference for p in problems])
+                seen["greedy"] = np.repeat(greedy_scored.rewards, rl.group_size)
+            seen = gather(seen, generate.mesh)  # every process's rows, on every process
+            scored = _gathered_result(scored, seen["correct"], generate.mesh)
+            composed = rewards.compose(seen["components"], config.reward.component_weights())
+            greedy_rewards = seen.get("greedy")
+            if greedy_rewards is not None:
+                record["reward/greedy_mean"] = float(greedy_rewards.mean())
+            jax.block_until_ready(batch)
+            t4 = time.perf_counter()
+            reward_array = composed.total
+            component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
+            fields, prep_metrics = prepare(
+                rewards=shard_batch(reward_array, generate.mesh), completion_mask=batch["completion_mask"],
+                old_logp=batch["old_logp"], key=jax.random.fold_in(step_key, 1), truncated=batch["truncated"],
+                entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
+                values=batch.get("old_values"),
+                greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, generate.mesh),
+                components=shard_batch(component_array, generate.mesh))
+            train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
+                           if k in batch}
+            train_batch.update(fields)
+            flush_after = step == rl.steps or bool(config.checkpoint.every and step % config.checkpoint.every == 0)
+            if background is not None and not flush_after and not preempted:
+                # step + 1 is sampled with the parameters from before this update, while it runs
+                pending = background.submit(rollout, step + 1, state.policy, next(prompts_iter),
+                                            controls.temperature, True)
+            warming_up = with_critic and step <= rl.critic.warmup_steps
+            state, metrics = rl_update(state, warmup_fn if warming_up else step_fn, train_batch, controls, config,
+                                       step, ref_policy if full_kl else None)
+            if warming_up:
+                record["train/critic_warmup"] = 1.0
+            if rl.ref_reset_every and step % rl.ref_reset_every == 0:
+                ref_policy = state.policy  # the KL terms now pull towards the current policy
+            t5 = time.perf_counter()
+            consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
+            if metrics["skipped"] > 0:
+                totals["skipped_updates_total"] += int(round(metrics["skipped"] * rl.epochs * rl.minibatches))
+                log.warning("RL step %d: %.0f%% of its optimizer updates skipped (non-finite loss or gradients; "
+                            "parameters left as they were)", step, 100 * metrics["skipped"])
+                if consecutive_skips >= rl.max_consecutive_skips:
+                    raise TrainingDiverged(
+                        f"RL steps {step - consecutive_skips + 1}..{step}: {consecutive_skips} consecutive steps "
+                        f"with non-finite loss or gradients (rl.max_consecutive_skips = "
+                        f"{rl.max_consecutive_skips}); the last checkpoint in {config.output_dir}/checkpoints "
+                        "holds the last good parameters")
+            if loss_config.adaptive:
+                if "entropy" not in metrics:
+                    raise ValueError("entropy_target / temperature_target_entropy need the loss to report an "
+                                     "'entropy' metric (losses.policy_term does)")
+                controls = update_controls(controls, float(metrics["entropy"]), loss_config)
+            totals["reward_timeouts_total"] += scored.timeouts
+            totals["reward_errors_total"] += scored.errors
+            record.update(scored.metrics())
+            if len(composed.components) > 1:
+                record.update(composed.metrics())
+            record.update({f"train/{k}": v for k, v in metrics.items()})
+            record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
+            record["train/entropy_coef"] = float(controls.entropy_coef)
+            record["train/temperature"] = float(controls.temperature)
+            record["train/completion_length"] = float(seen["length"].mean())
+            record["train/truncated_frac"] = float(seen["truncated"].mean())
+            timing = step_timing(produced, idle_s=t1 - t0 if produced.scored is not None else 0.0,
+                                 reward_s=reward_s, logprobs_s=t4 - t3, update_s=t5 - t4)
+            record.update(timing)
+            record["sampler/compiled_programs"] = compiled_programs()
+            record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
+            if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
+                flush()
+                record.update(evaluate(state.policy, generate, eval_problems, pool, **eval_args))
+                last_accuracy = record["eval/accuracy"]
+            record["time/step_s"] = time.perf_counter() - t0
+            writer.write(record)
+            if step == rl.steps:
+                save(step, "done")
+            elif flush_after or preempted:
+                save(step, "rl")
+            if preempted:
+                checkpointer.wait()
+                preempted.restore()
+                raise Preempted(f"stopped by SIGTERM after RL step {step}; its checkpoint is in "
+                                f"{checkpointer.directory}: run again with resume=true to go on")
+            postfix = {"reward": f"{record['reward/mean']:.2f}"}
+            if "entropy" in metrics:
+                postfix["entropy"] = f"{metrics['entropy']:.3f}"
+            if last_accuracy is not None:
+                postfix["eval_acc"] = f"{last_accuracy:.2f}"
+            postfix["s/r/u"] = f"{timing['time/sample_s']:.2f}/{timing['time/reward_s']:.2f}/{timing['time/update_s']:.2f}s"
+            bar.set_postfix(postfix)
+    finally:
+        if background is not None:
+            background.shutdown(wait=True, cancel_futures=True)
     preempted.restore()
     return state, controls, totals
 

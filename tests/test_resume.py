@@ -73,18 +73,20 @@ def _interrupted(out, sig, after_step: int, *extra):
     return process
 
 
-def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, overlap):
     """Killed after the checkpoint of step k = 4: resumed, its state at 2k = 8 and at 12 equals the
     uninterrupted run's bit for bit, and so do its metrics (but for the number of compiled programs, which a
-    fresh process counts from zero)."""
-    whole = _train(tmp_path / "whole")
+    fresh process counts from zero). With rl.overlap, too: steps after a checkpoint are sampled on-policy."""
+    extra = ["rl.overlap=true"] if overlap else []
+    whole = _train(tmp_path / "whole", *extra)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out = tmp_path / "killed"
-    process = _interrupted(out, signal.SIGKILL, 4)
+    process = _interrupted(out, signal.SIGKILL, 4, *extra)
     assert process.returncode == -signal.SIGKILL
     assert not (out / "checkpoints" / "12").exists(), "the run finished before it could be killed"
-    resumed = _train(out, "resume=true")
+    resumed = _train(out, "resume=true", *extra)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
 
@@ -93,6 +95,13 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     before, after = _state(tmp_path / "whole", 8)["params"], _state(tmp_path / "whole", 12)["params"]
     assert any((x != y).any() for (_, x), (_, y) in zip(jax_leaves(before), jax_leaves(after))), "nothing trained"
     assert _rl_records(out) == _rl_records(tmp_path / "whole")
+    if overlap:  # the one-step lag is corrected by truncated importance sampling, which reports its weights
+        records = [r for r in _rl_records(out) if "reward/mean" in r]  # the RL steps' records
+        assert len(records) == 12 and all("batch/is_weight" in r for r in records)
+        lagged = [r["batch/is_weight"] for r in records if r["step"] not in (0, 1, 5, 9)]
+        assert any(abs(w - 1.0) > 1e-6 for w in lagged), lagged  # sampled by the parameters one update back
+        timings = [json.loads(line) for line in (out / "timings.jsonl").read_text().splitlines()]
+        assert all("time/idle_s" in t and "time/logprobs_s" in t for t in timings if "time/update_s" in t)
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path):
