@@ -80,6 +80,16 @@ class CriticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (jaxrl.dynamic_sampling): groups whose rewards are all equal are dropped and more
+    prompts sampled until the batch is full of informative groups, for at most `max_rounds` sampling rounds per
+    step (the first included); then uninformative groups fill the rest (reported as dynamic/filled_groups)."""
+
+    enabled: bool = False
+    max_rounds: int = _field(4, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches` optimizer
     steps per batch, each accumulated over `micro_batches`; the objective is `loss` (see jaxrl.losses)."""
@@ -101,6 +111,7 @@ class RLConfig:
     # corrects for the one-step lag with truncated importance sampling (rl.loss.is_level; "token" is used when
     # it is "none"). Checkpoint steps are sampled on-policy, so a resumed run matches an uninterrupted one.
     overlap: bool = False
+    dynamic_sampling: DynamicSamplingConfig = _section(DynamicSamplingConfig)
     sampling: SamplingConfig = _section(SamplingConfig)
     loss: LossConfig = _section(LossConfig)
     critic: CriticConfig = _section(CriticConfig)

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import models
-from jaxrl import configlib, evaluation, losses, rewards
+from jaxrl import configlib, dynamic_sampling, evaluation, losses, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
 from jaxrl.convert import describe_source, load_policy
@@ -263,6 +263,38 @@ class RolloutResult(NamedTuple):
     scored: rewards.RewardResult | None
     sample_s: float
     reward_s: float
+    metrics: dict[str, float]  # dynamic sampling's
+
+
+def _dynamic_result(rounds, informative, generate: Generator, group_size: int, sample_s: float,
+                    reward_s: float) -> RolloutResult:
+    """The batch of `dynamic_sampling.select_groups` assembled from the rounds `(problems, generation,
+    scored)`, with its metrics (this process's: rounds, first round's informative share, groups filled)."""
+    quota = len(rounds[0][0])
+    selection = dynamic_sampling.select_groups(informative, quota)
+    local = dynamic_sampling.assemble([g.local for _, g, _ in rounds], selection, group_size,
+                                      generate.tokenizer.pad_id)
+    problems = [rounds[r][0][g] for r, g in selection.groups]
+    texts = [rounds[r][1].texts[g * group_size + i] for r, g in selection.groups for i in range(group_size)]
+    scores = [rounds[r][2] for r in range(len(rounds))]
+    scored = rewards.RewardResult(
+        np.concatenate([scores[r].rewards[g * group_size:(g + 1) * group_size] for r, g in selection.groups]),
+        sum(s.timeouts for s in scores), sum(s.errors for s in scores), sum(s.seconds for s in scores))
+    global_rollout = from_process_local(tuple(x for x in local if x is not None), generate.mesh)
+    rollout = Rollout(*global_rollout, *(None,) * (len(Rollout._fields) - len(global_rollout)))
+    metrics = {"dynamic/rounds": float(len(rounds)), "dynamic/informative_frac": float(informative[0].mean()),
+               "dynamic/filled_groups": float(selection.filled), "dynamic/prompts_sampled": float(quota * len(rounds))}
+    return RolloutResult(problems, Generation(rollout, local, texts), scored, sample_s, reward_s, metrics)
+
+
+def prompt_statistics(correct: np.ndarray, group_size: int) -> dict[str, float]:
+    """Per-prompt view of a batch's `[P * G]` verifiable rewards: the share of prompts all of whose samples
+    were correct, none, and the mean over prompts of the per-prompt accuracy's spread (std)."""
+    groups = np.asarray(correct, np.float64).reshape(-1, group_size)
+    solved = groups > 0.5
+    return {"prompts/all_correct_frac": float(solved.all(axis=1).mean()),
+            "prompts/none_correct_frac": float((~solved).all(axis=1).mean()),
+            "prompts/reward_std_mean": float(groups.std(axis=1).mean())}
 
 
 def step_timing(produced: RolloutResult, idle_s: float, reward_s: float, logprobs_s: float,
@@ -608,14 +640,31 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     iterator_after_step = prompts_iter.get_state()  # the prompt iterator's state after the last finished step
 
     def rollout(step: int, policy, problems, temperature, score: bool) -> RolloutResult:
-        """Sample step's completions (and, with `score`, their rewards): the main thread's or the background's."""
-        t0 = time.perf_counter()
-        generation = generate(policy, [p.prompt for p in problems], jax.random.fold_in(rl_key, step), rl.sampling,
-                              temperature, group_size=rl.group_size)
-        t1 = time.perf_counter()
-        scored = pool.score(generation.texts, [p.reference for p in problems for _ in range(rl.group_size)]) \
-            if score else None
-        return RolloutResult(problems, generation, scored, t1 - t0, time.perf_counter() - t1)
+        """Sample step's completions (and, with `score`, their rewards): the main thread's or the background's.
+        With dynamic sampling, more rounds of prompts until the batch holds only informative groups."""
+        dynamic = rl.dynamic_sampling.enabled
+        key = jax.random.fold_in(rl_key, step)
+        rounds, sample_s, reward_s = [], 0.0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
+            generation = generate(policy, [p.prompt for p in problems], round_key, rl.sampling, temperature,
+                                  group_size=rl.group_size)
+            t1 = time.perf_counter()
+            scored = pool.score(generation.texts, [p.reference for p in problems for _ in range(rl.group_size)]) \
+                if score or dynamic else None
+            sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t1
+            rounds.append((problems, generation, scored))
+            if not dynamic:
+                return RolloutResult(problems, generation, scored, sample_s, reward_s, {})
+            informative = [dynamic_sampling.informative_groups(
+                shaped_rewards(s.rewards, g.texts, g.local.completion_mask.sum(1), config).total, rl.group_size)
+                for _, g, s in rounds]
+            short = sum(int(f.sum()) for f in informative) < len(problems)
+            if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
+                break  # every process has its informative groups (or the rounds ran out)
+            problems = next(prompts_iter)
+        return _dynamic_result(rounds, informative, generate, rl.group_size, sample_s, reward_s)
 
     def flush() -> None:
         """Wait for the background rollout (evaluation and checkpoints share the reward pool / need it done)."""
@@ -718,6 +767,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record["train/temperature"] = float(controls.temperature)
             record["train/completion_length"] = float(seen["length"].mean())
             record["train/truncated_frac"] = float(seen["truncated"].mean())
+            record.update(produced.metrics)
+            record.update(prompt_statistics(np.asarray(seen["correct"]), rl.group_size))
             timing = step_timing(produced, idle_s=t1 - t0 if produced.scored is not None else 0.0,
                                  reward_s=reward_s, logprobs_s=t4 - t3, update_s=t5 - t4)
             record.update(timing)

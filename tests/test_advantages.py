@@ -1,5 +1,6 @@
 """Advantage estimators against plain-loop numpy references (float64), hand-computed cases and invariants."""
 
+import dataclasses
 import math
 
 import jax
@@ -571,3 +572,21 @@ def test_compute_per_component():
 def test_compute_missing_inputs(config, message):
     with pytest.raises(ValueError, match=message):
         adv.compute(config, jnp.ones(4), jnp.ones((4, 3)), 2)
+
+
+def test_gae_whitening_normalises_advantages_over_completion_tokens():
+    """`whiten=True`: the GAE advantages minus their mean over the batch's completion tokens, over their std
+    (a NumPy reference); padding stays 0 and the value targets are untouched."""
+    g = 4
+    raw = make_batch(7, 8, 6, g)
+    batch = {k: f32(v) for k, v in raw.items()}
+    plain = AdvantageConfig("gae", gamma=1.0, lam_actor=1.0, lam_critic=1.0)
+    a, ret = jit_compute()(plain, batch["rewards"], batch["mask"], g, values=batch["values"])
+    w, ret_w = jit_compute()(dataclasses.replace(plain, whiten=True), batch["rewards"], batch["mask"], g,
+                             values=batch["values"])
+    m = raw["mask"] > 0
+    tokens = np.asarray(a, np.float64)[m]
+    expected = np.where(m, (np.asarray(a, np.float64) - tokens.mean()) / (tokens.std() + plain.eps), 0.0)
+    close(w, expected)
+    close(ret_w, np.asarray(ret))
+    assert abs(np.asarray(w)[m].mean()) < 1e-5 and abs(np.asarray(w)[m].std() - 1) < 1e-4
