@@ -74,7 +74,11 @@ class SFTConfig:
 class CriticConfig:
     """The value model of PPO-style estimators (GAE)."""
 
-    model: Literal["none", "policy_copy"] = "none"  # policy_copy: the policy's trunk + a zero-initialised head
+    # policy_copy: a copy of the policy's trunk + a zero-initialised value head; separate: its own network, the
+    # trunk loaded from `checkpoint` (an HF directory or a jaxrl checkpoint, of any size, same token ids) + a
+    # zero-initialised head.
+    model: Literal["none", "policy_copy", "separate"] = "none"
+    checkpoint: str = ""  # the separate critic's trunk
     warmup_steps: int = _field(0, ge=0)  # first RL steps that train only the critic (the policy waits)
     optim: OptimConfig = _section(OptimConfig, learning_rate=1e-3, warmup_steps=5)
 
@@ -129,6 +133,9 @@ class RLConfig:
             raise ValueError(f"advantage estimator {estimator!r} needs a critic, but critic.model is 'none'; "
                              f"set critic.model to 'policy_copy', or choose an estimator without one: "
                              f"{', '.join(e for e in get_args(Estimator) if e not in NEEDS_CRITIC)}")
+        if (self.critic.model == "separate") != bool(self.critic.checkpoint):
+            raise ValueError("critic.model 'separate' loads its network from critic.checkpoint (and only it does): "
+                             f"got critic.model={self.critic.model!r}, critic.checkpoint={self.critic.checkpoint!r}")
         if self.critic.model != "none" and estimator not in NEEDS_CRITIC:
             raise ValueError(f"critic.model is {self.critic.model!r} but advantage estimator {estimator!r} does "
                              f"not use values; estimators that do: {', '.join(sorted(NEEDS_CRITIC))}")
@@ -257,6 +264,7 @@ class Config:
     seed: int = 0
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
+    tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard
     # Go on from the newest checkpoint in output_dir (parameters, optimizer state, critic, controls, data
     # position, RL step): the result equals an uninterrupted run's. The model must be the checkpoint's.
     resume: bool = False

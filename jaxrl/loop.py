@@ -421,7 +421,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
     metrics_path = _metrics_path(out)
-    with MetricsWriter(metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl")) as writer, \
+    tensorboard_dir = os.path.join(out, "tensorboard") if config.tensorboard and is_primary() else None
+    with MetricsWriter(metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"),
+                       tensorboard_dir) as writer, \
             rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
                                batch_timeout_s=config.reward.batch_timeout_s) as pool:
         if resume_step is None:
@@ -526,6 +528,20 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
     return {"checkpoint": os.path.abspath(checkpoint), "kind": source.kind, "step": source.step, **result}
 
 
+def _critic(config: Config, policy):
+    """The value model of `rl.critic`: on a copy of the policy's trunk, or on a separately loaded network."""
+    if config.rl.critic.model == "policy_copy":
+        return init_critic(policy)
+    trunk = load_policy(config.rl.critic.checkpoint, layout=policy.layout)
+    if trunk.config.vocab_size < policy.config.vocab_size:
+        raise ValueError(f"rl.critic.checkpoint {config.rl.critic.checkpoint}: its vocabulary has "
+                         f"{trunk.config.vocab_size} tokens, fewer than the policy's {policy.config.vocab_size}; "
+                         "the critic reads the policy's token ids")
+    log.info("critic: %s (%d layers, hidden %d)", config.rl.critic.checkpoint, trunk.config.num_layers,
+             trunk.config.hidden_size)
+    return init_critic(trunk)
+
+
 def check_batch_sizes(config: Config, mesh_shape: dict[str, int]) -> None:
     """Every batch of the run must split evenly over the data-parallel axes (`data` x `fsdp`): raise a
     `ValueError` naming the config fields and the numbers otherwise, before anything is compiled."""
@@ -601,7 +617,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
-    state = init_train_state(state.policy, optimizer, init_critic(state.policy) if with_critic else None,
+    state = init_train_state(state.policy, optimizer, _critic(config, state.policy) if with_critic else None,
                              critic_optimizer)
     full_kl = loss_config.needs_full_kl
     step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,

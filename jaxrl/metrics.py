@@ -29,15 +29,25 @@ class MetricsWriter:
     """Appends one JSON object per call to `path`; each line is flushed so nothing is lost on a crash.
 
     Wall-clock durations go to `timings_path` (with the record's `phase` and `step`) instead, so that two runs
-    of the same seed write identical metrics files.
+    of the same seed write identical metrics files. With `tensorboard_dir`, every numeric value is also written
+    as a TensorBoard scalar `<phase>/<key>` at its `step` (tensorboardX event files).
     """
 
-    def __init__(self, path: str | os.PathLike, timings_path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike, timings_path: str | os.PathLike | None = None,
+                 tensorboard_dir: str | os.PathLike | None = None):
+        self._tensorboard = None if tensorboard_dir is None else tensorboard_writer(tensorboard_dir)
         self._file = open(path, "a", encoding="utf-8")
         self._timings = None if timings_path is None else open(timings_path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         record = {k: to_python(v) for k, v in record.items()}
+        if self._tensorboard is not None and "step" in record:
+            phase = record.get("phase", "run")
+            for key, value in record.items():
+                if key not in ("phase", "step", "final") and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{phase}/{key}", value, global_step=record["step"])
+            self._tensorboard.flush()
         if self._timings is not None:
             timings = {k: v for k, v in record.items() if is_wall_clock(k)}
             record = {k: v for k, v in record.items() if not is_wall_clock(k)}
@@ -49,6 +59,8 @@ class MetricsWriter:
         self._file.flush()
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         self._file.close()
         if self._timings is not None:
             self._timings.close()
@@ -58,6 +70,16 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def tensorboard_writer(directory: str | os.PathLike):
+    """A tensorboardX `SummaryWriter` writing event files into `directory`."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise ImportError("tensorboard=true needs the tensorboardX package: pip install 'jaxrl[tensorboard]' "
+                          "(or tensorboardX)") from e
+    return SummaryWriter(logdir=os.fspath(directory), flush_secs=10)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

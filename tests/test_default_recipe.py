@@ -17,3 +17,28 @@ def test_default_recipe_learns(tmp_path, seed):
     assert summary["accuracy_after_rl"] >= 0.50
     assert summary["accuracy_after_rl"] - summary["accuracy_before_rl"] >= 0.20
     assert summary["total_wall_time_s"] <= 600
+
+
+def test_metrics_writer_mirrors_scalars_to_tensorboard(tmp_path):
+    """`tensorboard=true`: every numeric metric of a record becomes a scalar `<phase>/<key>` at its step in a
+    TensorBoard event file (read back record by record: TFRecord framing around `Event` protos)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from jaxrl.metrics import MetricsWriter
+
+    with MetricsWriter(tmp_path / "m.jsonl", tmp_path / "t.jsonl", tmp_path / "tb") as writer:
+        writer.write({"phase": "rl", "step": 3, "reward/mean": 0.25, "train/entropy": 1.5, "time/sample_s": 0.1,
+                      "note": "text is skipped"})
+        writer.write({"phase": "sft", "step": 7, "train/loss": 2.0})
+    (events,) = list((tmp_path / "tb").iterdir())
+    data, scalars = events.read_bytes(), {}
+    while data:
+        (length,) = struct.unpack("<Q", data[:8])
+        event = event_pb2.Event.FromString(data[12:12 + length])
+        data = data[12 + length + 4:]
+        for value in event.summary.value:
+            scalars[(value.tag, event.step)] = value.simple_value
+    assert scalars == {("rl/reward/mean", 3): 0.25, ("rl/train/entropy", 3): 1.5, ("rl/time/sample_s", 3):
+                       pytest.approx(0.1), ("sft/train/loss", 7): 2.0}

@@ -1,6 +1,7 @@
 """The RL step with any loss composition: gradient accumulation is exact, a variant written outside the
 library trains through the normal trainer, and every preset runs the default recipe."""
 
+import dataclasses
 import json
 import math
 import os
@@ -354,3 +355,29 @@ def test_reference_reset_makes_the_kl_restart_from_zero(tmp_path, monkeypatch):
     kept, _ = _run(tmp_path / "kept", monkeypatch, *common)
     assert [r["train/kl_ref"] for r in reset] == [0.0, 0.0, 0.0]
     assert kept[0]["train/kl_ref"] == 0.0 and kept[2]["train/kl_ref"] > kept[1]["train/kl_ref"] > 1e-3
+
+
+def test_a_separate_critic_network_is_loaded_from_its_checkpoint(tmp_path, monkeypatch):
+    """`rl.critic.model=separate`: the value model is its own (here smaller) network read from
+    `rl.critic.checkpoint`, with a zero-initialised head; it trains alongside the policy. A critic whose
+    vocabulary is smaller than the policy's is refused, naming the checkpoint."""
+    from jaxrl.convert import save_policy
+
+    small = models.ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                               head_dim=8, intermediate_size=32)
+    save_policy(models.init(small, 5), tmp_path / "critic")
+    seen = []
+    real_init = loop.init_critic
+    monkeypatch.setattr(loop, "init_critic", lambda trunk: seen.append(trunk.config) or real_init(trunk))
+    records, _ = _run(tmp_path / "run", monkeypatch, "rl.loss.preset=ppo", "rl.critic.model=separate",
+                      f"rl.critic.checkpoint={tmp_path / 'critic'}")
+    assert seen == [small]
+    assert all(r["train/critic_grad_norm"] > 0 and "train/value_loss" in r for r in records)
+
+    save_policy(models.init(dataclasses.replace(small, vocab_size=16), 5), tmp_path / "narrow")
+    with pytest.raises(ValueError, match="narrow: its vocabulary has 16 tokens, fewer than the policy's 32"):
+        _run(tmp_path / "run2", monkeypatch, "rl.loss.preset=ppo", "rl.critic.model=separate",
+             f"rl.critic.checkpoint={tmp_path / 'narrow'}")
+    from jaxrl.configlib import ConfigError
+    with pytest.raises(ConfigError, match="critic.model 'separate' loads its network from critic.checkpoint"):
+        load_config(Config, "configs/default.yaml", ["rl.loss.preset=ppo", "rl.critic.model=separate"])
