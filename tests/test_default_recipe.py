@@ -19,6 +19,18 @@ def test_default_recipe_learns(tmp_path, seed):
     assert summary["total_wall_time_s"] <= 600
 
 
+@pytest.mark.slow
+def test_two_runs_of_the_default_recipe_write_identical_metrics(tmp_path):
+    """Determinism of the whole recipe (warm start, GRPO, evaluations, checkpoints): same seed and config, the
+    same metrics file byte for byte (wall-clock durations live in timings.jsonl)."""
+    files = []
+    for name in ("a", "b"):
+        config = load_config(Config, "configs/default.yaml", [f"output_dir={tmp_path / name}", "progress=false"])
+        run(config)
+        files.append((tmp_path / name / "metrics.jsonl").read_bytes())
+    assert files[0] == files[1] and files[0].count(b"\n") > 100
+
+
 def test_metrics_writer_mirrors_scalars_to_tensorboard(tmp_path):
     """`tensorboard=true`: every numeric metric of a record becomes a scalar `<phase>/<key>` at its step in a
     TensorBoard event file (read back record by record: TFRecord framing around `Event` protos)."""
