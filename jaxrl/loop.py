@@ -521,7 +521,12 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layo
     tokenizer_path = _tokenizer_files(pretrained.path, config.tokenizer.path)
     if tokenizer_path is None:
         raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")
-    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), stop_tokens=config.tokenizer.stop_tokens)
+    tokenizer_path = os.path.expanduser(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, stop_tokens=config.tokenizer.stop_tokens)
+    saved = os.path.join(config.output_dir, "tokenizer.model")
+    if is_primary() and tokenizer_path.endswith(".model") and not (os.path.exists(saved)
+                                                                    and os.path.samefile(tokenizer_path, saved)):
+        shutil.copyfile(tokenizer_path, saved)  # a sentencepiece model stays with the run (as `jaxrl eval` expects)
     log.info("loaded %s (%s, %.1fM parameters) and its tokenizer (%d tokens, stop ids %s)", pretrained.path,
              policy.config.family, models.num_parameters(policy.config) / 1e6, tokenizer.vocab_size,
              tokenizer.stop_ids)

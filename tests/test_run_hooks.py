@@ -29,6 +29,7 @@ def test_runs_start_from_a_warm_start_only_run_and_take_a_reward_function(tmp_pa
     assert start["eval/sample"] == warm_eval["eval/sample"]
     assert start["eval/completion_length"] == warm_eval["eval/completion_length"]
     assert branch["num_parameters"] == warm["num_parameters"]
+    assert (branch_dir / "tokenizer.model").read_bytes() == (warm_dir / "tokenizer.model").read_bytes()
     # Training and evaluation scored every completion with the reward passed in.
     assert [r["reward/mean"] for r in records if "reward/mean" in r] == [0.25]
     assert branch["accuracy_before_rl"] == branch["accuracy_after_rl"] == 0.25
