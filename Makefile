@@ -1,11 +1,11 @@
-# The two commands of the README: `make train` and `make test`.
+# The two commands of the README: `make train` and `make test`; CI also runs `make notebooks`.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 
-.PHONY: train test test-slow install install-dev clean
+.PHONY: train test test-slow notebooks docs install install-dev clean
 
 # The stamp files re-run the install whenever pyproject.toml changes.
 $(BIN)/python:
@@ -32,5 +32,15 @@ test: install-dev  ## the fast suite (what CI runs)
 test-slow: install-dev  ## the slow suite: full default runs for two seeds
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow
 
+notebooks: install-dev  ## execute every notebook (small settings) in memory; fails when a cell fails
+	JAX_PLATFORMS=cpu $(BIN)/python notebooks/execute.py
+
+docs: install-dev  ## API reference from the docstrings into docs/api; fails on any pdoc warning
+	rm -rf docs/api
+	@log=$$(JAX_PLATFORMS=cpu $(BIN)/python -m pdoc -o docs/api jaxrl models kernels 2>&1); status=$$?; \
+	if [ -n "$$log" ]; then echo "$$log"; fi; \
+	if [ $$status -ne 0 ] || [ -n "$$log" ]; then echo "make docs: pdoc failed or warned (above)"; exit 1; fi
+	@echo "API reference: docs/api/index.html"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/api

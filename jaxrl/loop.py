@@ -16,7 +16,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -49,6 +49,7 @@ log = logging.getLogger("jaxrl")
 
 REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify,
                     "code": rewards.code_reward}
+RewardFn = Callable[[str, str], float]  # (completion, reference) -> reward
 
 
 def optimizer_from(config: OptimConfig):
@@ -59,7 +60,8 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive RL steps had a non-finite loss or gradient (`rl.max_consecutive_skips`)."""
 
 
-class Generation(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Generation:
     """One `Generator` call. In a multi-host run each process has the rows of its own prompts."""
 
     rollout: Rollout  # global arrays on the mesh, rows split over the data axes
@@ -381,12 +383,17 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
 
 
 def run(config: Config, config_source: str = "", loss: Term | None = None,
-        advantage_fn: AdvantageFn | None = None) -> dict[str, Any]:
+        advantage_fn: AdvantageFn | None = None, reward_fn: RewardFn | None = None) -> dict[str, Any]:
     """Train the recipe end to end; writes everything under `config.output_dir`.
 
     `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
     config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
     `advantage_fn` replaces the estimator of `config.rl.loss.advantage` (see `losses.batch.AdvantageFn`).
+    `reward_fn` replaces `config.reward.function` for training and the held-out evaluation: a
+    `(completion, reference) -> float` function that spawned reward workers can import by name (defined in
+    an importable module, not in `__main__`). The shaping of `config.reward` is composed with it as usual.
+    With `rl.steps=0` the run saves the warm-started policy as checkpoint 0, so that later runs can start
+    from it with `pretrained.path=<output_dir> sft.steps=0` (the run's tokenizer comes with it).
     """
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
@@ -415,7 +422,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
                                  config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
                                  config.tokenizer.stop_strings)
     times["data_time_s"] = time.perf_counter() - t0
-    reward_fn = REWARD_FUNCTIONS[config.reward.function]
+    reward_fn = reward_fn or REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
@@ -507,10 +514,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
         policy = load_policy(checkpoint, layout=layout, progress=config.progress)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {e}") from None
-    if source.kind == "run":
-        tokenizer_path = os.path.join(os.path.dirname(os.path.dirname(source.directory)), "tokenizer.model")
-    else:
-        tokenizer_path = config.tokenizer.path or _hf_files(checkpoint)
+    tokenizer_path = _tokenizer_files(checkpoint, config.tokenizer.path)
     if tokenizer_path is None or not os.path.exists(os.path.expanduser(tokenizer_path)):
         raise CheckpointError(f"checkpoint: no tokenizer found for {checkpoint} (looked for {tokenizer_path}); "
                               "set tokenizer.path")
@@ -585,14 +589,30 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layo
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
     policy = models.replace_config(policy, attention_impl=pretrained.attention_impl, remat=pretrained.remat)
-    tokenizer_path = config.tokenizer.path or _hf_files(pretrained.path)
+    tokenizer_path = _tokenizer_files(pretrained.path, config.tokenizer.path)
     if tokenizer_path is None:
         raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")
-    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), stop_tokens=config.tokenizer.stop_tokens)
+    tokenizer_path = os.path.expanduser(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, stop_tokens=config.tokenizer.stop_tokens)
+    saved = os.path.join(config.output_dir, "tokenizer.model")
+    if is_primary() and tokenizer_path.endswith(".model") and not (os.path.exists(saved)
+                                                                    and os.path.samefile(tokenizer_path, saved)):
+        shutil.copyfile(tokenizer_path, saved)  # a sentencepiece model stays with the run (as `jaxrl eval` expects)
     log.info("loaded %s (%s, %.1fM parameters) and its tokenizer (%d tokens, stop ids %s)", pretrained.path,
              policy.config.family, models.num_parameters(policy.config) / 1e6, tokenizer.vocab_size,
              tokenizer.stop_ids)
     return policy, tokenizer
+
+
+def _tokenizer_files(path: str, configured: str | None) -> str | None:
+    """The tokenizer for a checkpoint: `configured` (`tokenizer.path`) when set, else a run's own
+    `tokenizer.model` (the one it trained with), else the checkpoint's HF tokenizer files (None: none)."""
+    if configured:
+        return configured
+    source = describe_source(path)
+    if source.kind == "run":
+        return os.path.join(os.path.dirname(os.path.dirname(source.directory)), "tokenizer.model")
+    return _hf_files(path)
 
 
 def _hf_files(path: str) -> str | None:
@@ -692,6 +712,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
                           {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step})
 
+    if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
+        save(0, "done")
     bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
                initial=first_step - 1, total=rl.steps)
     last_accuracy = None

@@ -88,15 +88,17 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """PNG of training reward (per step, and smoothed) and held-out greedy accuracy against RL step."""
-    import matplotlib
+    """PNG of training reward (per step, and smoothed) and held-out greedy accuracy against RL step.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a standalone `Figure` (no pyplot): the process's matplotlib backend is left as it was, so a
+    notebook that calls `loop.run` keeps showing its own plots inline.
+    """
+    from matplotlib.figure import Figure
 
     rl = [r for r in records if r.get("phase") == "rl" and r.get("reward/mean") is not None]
     evals = [r for r in records if r.get("eval/accuracy") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig = Figure(figsize=(7, 4), dpi=120)
+    ax = fig.subplots()
     if rl:
         steps = np.array([r["step"] for r in rl])
         reward = np.array([r["reward/mean"] for r in rl])
@@ -114,4 +116,3 @@ def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str 
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)

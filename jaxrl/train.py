@@ -47,11 +47,17 @@ class Critic:
 
 @struct.dataclass
 class TrainState:
+    """The policy (and optional critic) with their optax states: everything an optimizer step changes.
+
+    The optimizer states are `optax.OptState` pytrees (annotated `Any`: optax's alias holds a forward
+    reference that documentation tools cannot resolve).
+    """
+
     policy: Policy
-    opt_state: optax.OptState
+    opt_state: Any
     step: jax.Array  # optimizer steps taken
     critic: Critic | None = None
-    critic_opt_state: optax.OptState | None = None
+    critic_opt_state: Any = None
 
 
 def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: float = 0.0, b1: float = 0.9,

@@ -91,7 +91,8 @@ class KVCache(NamedTuple):
 CACHE_AXES = ("batch", "kv_heads", "cache_len", "head_dim")  # logical axes of a cache layer (scales: 3)
 
 
-class GroupKVCache(NamedTuple):
+@struct.dataclass
+class GroupKVCache:
     """Decode cache of `group` sequences per prompt (GRPO's group): each prompt's keys and values are held
     once, not once per sequence, and attention reads them once per group (`shared_prefix_attention`).
 

@@ -64,3 +64,8 @@ def spin(seconds: float) -> float:
 def crash(_: float) -> float:
     """Kills its own process without answering."""
     os._exit(3)
+
+
+def quarter(completion: str, reference: str) -> float:
+    """0.25 for every completion: a reward no built-in function gives, to see which one a run used."""
+    return 0.25

@@ -1,0 +1,35 @@
+"""`loop.run` hooks the notebooks use: a warm-start-only run (`rl.steps=0`) that later runs start from, and a
+reward function passed in Python (`run(reward_fn=...)`)."""
+
+import os
+import sys
+
+from jaxrl import loop
+from jaxrl.config import Config
+from jaxrl.configlib import load_config
+from jaxrl.metrics import read_metrics
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reward_fns  # noqa: E402
+from test_rl_step import TINY  # noqa: E402
+
+
+def test_runs_start_from_a_warm_start_only_run_and_take_a_reward_function(tmp_path):
+    warm_dir, branch_dir = tmp_path / "warm", tmp_path / "branch"
+    warm = loop.run(load_config(Config, "configs/default.yaml", [*TINY, "rl.steps=0", f"output_dir={warm_dir}"]))
+    assert os.path.isdir(warm_dir / "checkpoints" / "0")
+    warm_eval = [r for r in read_metrics(warm_dir / "metrics.jsonl") if r.get("final")][0]
+
+    config = load_config(Config, "configs/default.yaml", [
+        *TINY, f"pretrained.path={warm_dir}", "sft.steps=0", "rl.steps=1", f"output_dir={branch_dir}"])
+    branch = loop.run(config, reward_fn=reward_fns.quarter)
+    records = read_metrics(branch_dir / "metrics.jsonl")
+    start = next(r for r in records if r["step"] == 0 and "eval/sample" in r)
+    # The branch starts from the warm-started policy and its tokenizer: the same greedy completions.
+    assert start["eval/sample"] == warm_eval["eval/sample"]
+    assert start["eval/completion_length"] == warm_eval["eval/completion_length"]
+    assert branch["num_parameters"] == warm["num_parameters"]
+    assert (branch_dir / "tokenizer.model").read_bytes() == (warm_dir / "tokenizer.model").read_bytes()
+    # Training and evaluation scored every completion with the reward passed in.
+    assert [r["reward/mean"] for r in records if "reward/mean" in r] == [0.25]
+    assert branch["accuracy_before_rl"] == branch["accuracy_after_rl"] == 0.25
