@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -257,7 +257,8 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
     return batch
 
 
-class RolloutResult(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
     """One step's prompts, completions and (when scored where they were sampled) rewards, with timings."""
 
     problems: list
