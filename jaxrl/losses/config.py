@@ -40,10 +40,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": dict(objective="cispo", clip_eps_low=1.0, clip_eps_high=0.28, aggregation="token-mean"),
     # GMPO (Zhao et al. 2025, arXiv 2507.20673): geometric mean of token ratios, log-space clip (e^-0.4, e^0.4).
     "gmpo": dict(objective="gmpo", clip_eps_low=0.4, clip_eps_high=0.4, aggregation="seq-mean-token-mean"),
-    # PPO with a critic (Schulman et al. 2017; Ouyang et al. 2022): GAE with lambda = gamma = 1 and advantages
-    # whitened over the batch, as verl's and OpenRLHF's PPO default to (on the default recipe this beat
-    # lambda 0.95 without whitening: benchmarks/RESULTS.md). VC-PPO's decoupled lambdas (Yuan et al. 2025,
-    # arXiv 2503.01491): rl.loss.advantage.lam_actor=0.95. Needs rl.critic.
+    # PPO with a critic (Schulman et al. 2017, arXiv 1707.06347; Ouyang et al. 2022): GAE with lambda = gamma
+    # = 1 and advantages whitened over the batch, as verl's and OpenRLHF's PPO default to (on the default recipe
+    # this beat lambda 0.95 without whitening: benchmarks/RESULTS.md). VC-PPO's decoupled lambdas (Yuan et al.
+    # 2025, arXiv 2503.01491): rl.loss.advantage.lam_actor=0.95. Needs rl.critic.
     "ppo": dict(advantage={"estimator": "gae", "lam_actor": 1.0, "lam_critic": 1.0, "whiten": True},
                 clip_eps_low=0.2,
                 clip_eps_high=0.2, aggregation="token-mean", value_coef=0.5, value_clip_eps=0.2),
