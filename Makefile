@@ -1,11 +1,11 @@
-# The two commands of the README: `make train` and `make test`.
+# The two commands of the README: `make train` and `make test`; CI also runs `make notebooks`.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 
-.PHONY: train test test-slow docs install install-dev clean
+.PHONY: train test test-slow notebooks docs install install-dev clean
 
 # The stamp files re-run the install whenever pyproject.toml changes.
 $(BIN)/python:
@@ -32,6 +32,8 @@ test: install-dev  ## the fast suite (what CI runs)
 test-slow: install-dev  ## the slow suite: full default runs for two seeds
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow
 
+notebooks: install-dev  ## execute every notebook (small settings) in memory; fails when a cell fails
+	JAX_PLATFORMS=cpu $(BIN)/python notebooks/execute.py
 
 docs: install-dev  ## API reference from the docstrings into docs/api; fails on any pdoc warning
 	rm -rf docs/api
