@@ -300,15 +300,15 @@ def prompt_statistics(correct: np.ndarray, group_size: int) -> dict[str, float]:
             "prompts/reward_std_mean": float(groups.std(axis=1).mean())}
 
 
-def step_timing(produced: RolloutResult, idle_s: float, reward_s: float, logprobs_s: float,
-                update_s: float) -> dict[str, float]:
+def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: float,
+                idle_s: float) -> dict[str, float]:
     """Seconds per phase of an RL step (`time/*`, wall clock, written to timings.jsonl).
 
     sample_s, reward_s: sampling and scoring (with rl.overlap they ran in the background during the previous
     step's update); logprobs_s: the wait for the log-probs (and values) after scoring; update_s: the
     optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
     """
-    return {"time/sample_s": produced.sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
+    return {"time/sample_s": sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
             "time/update_s": update_s, "time/idle_s": idle_s}
 
 
@@ -676,27 +676,29 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     pending: Future | None = None  # the next step's rollout, being sampled (and scored) in the background
     iterator_after_step = prompts_iter.get_state()  # the prompt iterator's state after the last finished step
 
+    def references(problems) -> list[str]:
+        return [p.reference for p in problems for _ in range(rl.group_size)]  # rows p * G + g
+
     def rollout(step: int, policy, problems, temperature, score: bool) -> RolloutResult:
         """Sample step's completions (and, with `score`, their rewards): the main thread's or the background's.
         With dynamic sampling, more rounds of prompts until the batch holds only informative groups."""
         dynamic = rl.dynamic_sampling.enabled
         key = jax.random.fold_in(rl_key, step)
-        rounds, sample_s, reward_s = [], 0.0, 0.0
+        rounds, informative, sample_s, reward_s = [], [], 0.0, 0.0
         while True:
             t0 = time.perf_counter()
             round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
             generation = generate(policy, [p.prompt for p in problems], round_key, rl.sampling, temperature,
                                   group_size=rl.group_size)
             t1 = time.perf_counter()
-            scored = pool.score(generation.texts, [p.reference for p in problems for _ in range(rl.group_size)]) \
-                if score or dynamic else None
+            scored = pool.score(generation.texts, references(problems)) if score or dynamic else None
             sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t1
             rounds.append((problems, generation, scored))
             if not dynamic:
                 return RolloutResult(problems, generation, scored, sample_s, reward_s, {})
-            informative = [dynamic_sampling.informative_groups(
-                shaped_rewards(s.rewards, g.texts, g.local.completion_mask.sum(1), config).total, rl.group_size)
-                for _, g, s in rounds]
+            informative.append(dynamic_sampling.informative_groups(shaped_rewards(
+                scored.rewards, generation.texts, generation.local.completion_mask.sum(1), config).total,
+                rl.group_size))
             short = sum(int(f.sum()) for f in informative) < len(problems)
             if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
                 break  # every process has its informative groups (or the rounds ran out)
@@ -723,10 +725,11 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record: dict[str, Any] = {"phase": "rl", "step": step}
             step_key = jax.random.fold_in(rl_key, step)
             t0 = time.perf_counter()
-            if pending is None:  # on-policy: sample with the current parameters, score below
-                produced = rollout(step, state.policy, next(prompts_iter), controls.temperature, score=False)
-            else:
+            from_background = pending is not None
+            if from_background:
                 produced, pending = pending.result(), None
+            else:  # on-policy: sample with the current parameters, score below
+                produced = rollout(step, state.policy, next(prompts_iter), controls.temperature, score=False)
             iterator_after_step = prompts_iter.get_state()
             t1 = time.perf_counter()
             problems, generation = produced.problems, produced.generation
@@ -736,7 +739,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             # on the host, while the device computes the log-probs (or already done in the background)
             scored = produced.scored
             if scored is None:
-                scored = pool.score(texts, [p.reference for p in problems for _ in range(rl.group_size)])
+                scored = pool.score(texts, references(problems))
             t3 = time.perf_counter()
             reward_s = produced.reward_s if produced.scored is not None else t3 - t2
             composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
@@ -808,8 +811,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record["train/truncated_frac"] = float(seen["truncated"].mean())
             record.update(produced.metrics)
             record.update(prompt_statistics(np.asarray(seen["correct"]), rl.group_size))
-            timing = step_timing(produced, idle_s=t1 - t0 if produced.scored is not None else 0.0,
-                                 reward_s=reward_s, logprobs_s=t4 - t3, update_s=t5 - t4)
+            timing = step_timing(produced.sample_s, reward_s, logprobs_s=t4 - t3, update_s=t5 - t4,
+                                 idle_s=t1 - t0 if from_background else 0.0)
             record.update(timing)
             record["sampler/compiled_programs"] = compiled_programs()
             record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
