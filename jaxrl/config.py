@@ -111,9 +111,10 @@ class RLConfig:
     # policy instead (0: never), as in periodic reference resets.
     ref_reset_every: int = _field(0, ge=0)
     # One-step off-policy overlap: while step t's update runs, a background thread samples and scores step
-    # t+1 with the parameters from before that update (and the sampling temperature of step t). The loss
-    # corrects for the one-step lag with truncated importance sampling (rl.loss.is_level; "token" is used when
-    # it is "none"). Checkpoint steps are sampled on-policy, so a resumed run matches an uninterrupted one.
+    # t+1 and computes its log-probs (old_logp; values, ref_logp) with the models from before that update (and
+    # the sampling temperature of step t). PPO's ratio pi_theta / pi_old is then the importance ratio to the
+    # policy that sampled, and its clipping bounds the one-step lag's correction. Steps after a checkpoint
+    # are sampled on-policy, so a resumed run matches an uninterrupted one.
     overlap: bool = False
     dynamic_sampling: DynamicSamplingConfig = _section(DynamicSamplingConfig)
     sampling: SamplingConfig = _section(SamplingConfig)

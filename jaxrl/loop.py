@@ -259,7 +259,8 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
 
 @dataclasses.dataclass(frozen=True)
 class RolloutResult:
-    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings."""
+    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings; with
+    rl.overlap also the log-probs (and values) of the models that sampled it."""
 
     problems: list
     generation: Generation
@@ -267,6 +268,8 @@ class RolloutResult:
     sample_s: float
     reward_s: float
     metrics: dict[str, float]  # dynamic sampling's
+    batch: dict | None = None  # `rollout_batch` under the sampling-time models (rl.overlap), else None
+    logprobs_s: float = 0.0  # the wait for that batch after scoring
 
 
 def _dynamic_result(rounds, informative, generate: Generator, group_size: int, sample_s: float,
@@ -630,10 +633,6 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     if rl.overlap and jax.process_count() > 1:
         raise ValueError("rl.overlap runs the next step's sampling in a background thread, which is single-process "
                          f"for now; this run has {jax.process_count()} processes: set rl.overlap=false")
-    if rl.overlap and loss_config.is_level == "none":
-        log.info("rl.overlap: correcting the one-step lag with token-level truncated importance sampling "
-                 "(rl.loss.is_level=token)")
-        loss_config = dataclasses.replace(loss_config, is_level="token")
     ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
@@ -679,23 +678,31 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     def references(problems) -> list[str]:
         return [p.reference for p in problems for _ in range(rl.group_size)]  # rows p * G + g
 
-    def rollout(step: int, policy, problems, temperature, score: bool) -> RolloutResult:
-        """Sample step's completions (and, with `score`, their rewards): the main thread's or the background's.
-        With dynamic sampling, more rounds of prompts until the batch holds only informative groups."""
+    def rollout(step: int, state: TrainState, problems, controls: Controls, ref_policy,
+                background: bool) -> RolloutResult:
+        """Sample step's completions with `state.policy`: on the main thread, or (`background`) on the
+        rollout thread during the previous step's update, where the rewards are scored and the batch's
+        log-probs (and values) computed too, under the same models that sampled it. With dynamic sampling,
+        more rounds of prompts until the batch holds only informative groups."""
         dynamic = rl.dynamic_sampling.enabled
         key = jax.random.fold_in(rl_key, step)
         rounds, informative, sample_s, reward_s = [], [], 0.0, 0.0
         while True:
             t0 = time.perf_counter()
             round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
-            generation = generate(policy, [p.prompt for p in problems], round_key, rl.sampling, temperature,
-                                  group_size=rl.group_size)
+            generation = generate(state.policy, [p.prompt for p in problems], round_key, rl.sampling,
+                                  controls.temperature, group_size=rl.group_size)
             t1 = time.perf_counter()
-            scored = pool.score(generation.texts, references(problems)) if score or dynamic else None
-            sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t1
+            batch = None
+            if background and not dynamic:  # dispatched first: the device computes it while the host scores
+                batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls,
+                                      ref_policy)
+            t2 = time.perf_counter()
+            scored = pool.score(generation.texts, references(problems)) if background or dynamic else None
+            sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
             rounds.append((problems, generation, scored))
             if not dynamic:
-                return RolloutResult(problems, generation, scored, sample_s, reward_s, {})
+                return with_batch(RolloutResult(problems, generation, scored, sample_s, reward_s, {}), batch)
             informative.append(dynamic_sampling.informative_groups(shaped_rewards(
                 scored.rewards, generation.texts, generation.local.completion_mask.sum(1), config).total,
                 rl.group_size))
@@ -703,7 +710,19 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
                 break  # every process has its informative groups (or the rounds ran out)
             problems = next(prompts_iter)
-        return _dynamic_result(rounds, informative, generate, rl.group_size, sample_s, reward_s)
+        result = _dynamic_result(rounds, informative, generate, rl.group_size, sample_s, reward_s)
+        if not background:
+            return result
+        return with_batch(result, rollout_batch(state, logprob_fn, value_fn, result.generation.rollout,
+                                                loss_config, controls, ref_policy))
+
+    def with_batch(result: RolloutResult, batch: dict | None) -> RolloutResult:
+        """`result` holding `batch` once the device has computed it (the wait is its logprobs_s)."""
+        if batch is None:
+            return result
+        t0 = time.perf_counter()
+        jax.block_until_ready(batch)
+        return dataclasses.replace(result, batch=batch, logprobs_s=time.perf_counter() - t0)
 
     def flush() -> None:
         """Wait for the background rollout (evaluation and checkpoints share the reward pool / need it done)."""
@@ -729,11 +748,14 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             if from_background:
                 produced, pending = pending.result(), None
             else:  # on-policy: sample with the current parameters, score below
-                produced = rollout(step, state.policy, next(prompts_iter), controls.temperature, score=False)
+                produced = rollout(step, state, next(prompts_iter), controls, ref_policy, background=False)
             iterator_after_step = prompts_iter.get_state()
             t1 = time.perf_counter()
             problems, generation = produced.problems, produced.generation
-            batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls, ref_policy)
+            batch = produced.batch
+            if batch is None:
+                batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls,
+                                      ref_policy)
             texts, local = generation.texts, generation.local
             t2 = time.perf_counter()
             # on the host, while the device computes the log-probs (or already done in the background)
@@ -757,6 +779,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                 record["reward/greedy_mean"] = float(greedy_rewards.mean())
             jax.block_until_ready(batch)
             t4 = time.perf_counter()
+            logprobs_s = produced.logprobs_s if produced.batch is not None else t4 - t3
             reward_array = composed.total
             component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
             fields, prep_metrics = prepare(
@@ -771,9 +794,10 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             train_batch.update(fields)
             flush_after = step == rl.steps or bool(config.checkpoint.every and step % config.checkpoint.every == 0)
             if background is not None and not flush_after and not preempted:
-                # step + 1 is sampled with the parameters from before this update, while it runs
-                pending = background.submit(rollout, step + 1, state.policy, next(prompts_iter),
-                                            controls.temperature, True)
+                # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
+                # while it runs; its PPO ratio pi_theta / pi_old then spans the one-step lag
+                pending = background.submit(rollout, step + 1, state, next(prompts_iter), controls, ref_policy,
+                                            background=True)
             warming_up = with_critic and step <= rl.critic.warmup_steps
             state, metrics = rl_update(state, warmup_fn if warming_up else step_fn, train_batch, controls, config,
                                        step, ref_policy if full_kl else None)
@@ -811,7 +835,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record["train/truncated_frac"] = float(seen["truncated"].mean())
             record.update(produced.metrics)
             record.update(prompt_statistics(np.asarray(seen["correct"]), rl.group_size))
-            timing = step_timing(produced.sample_s, reward_s, logprobs_s=t4 - t3, update_s=t5 - t4,
+            timing = step_timing(produced.sample_s, reward_s, logprobs_s=logprobs_s, update_s=t5 - t4,
                                  idle_s=t1 - t0 if from_background else 0.0)
             record.update(timing)
             record["sampler/compiled_programs"] = compiled_programs()
