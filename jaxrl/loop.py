@@ -307,9 +307,9 @@ def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: f
                 idle_s: float) -> dict[str, float]:
     """Seconds per phase of an RL step (`time/*`, wall clock, written to timings.jsonl).
 
-    sample_s, reward_s: sampling and scoring (with rl.overlap they ran in the background during the previous
-    step's update); logprobs_s: the wait for the log-probs (and values) after scoring; update_s: the
-    optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
+    sample_s, reward_s, logprobs_s: sampling, scoring and the wait for the log-probs (and values) after
+    scoring (with rl.overlap all three ran in the background during the previous step's update); update_s:
+    the optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
     """
     return {"time/sample_s": sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
             "time/update_s": update_s, "time/idle_s": idle_s}
