@@ -674,6 +674,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
     pending: Future | None = None  # the next step's rollout, being sampled (and scored) in the background
     iterator_after_step = prompts_iter.get_state()  # the prompt iterator's state after the last finished step
+    drawn_with = (None, None)  # the reference policy and temperature of the background rollout's ref_logp
 
     def references(problems) -> list[str]:
         return [p.reference for p in problems for _ in range(rl.group_size)]  # rows p * G + g
@@ -756,6 +757,11 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             if batch is None:
                 batch = rollout_batch(state, logprob_fn, value_fn, generation.rollout, loss_config, controls,
                                       ref_policy)
+            elif "ref_logp" in batch and (drawn_with[0] is not ref_policy
+                                          or drawn_with[1] != float(controls.temperature)):
+                # drawn before a reference reset or a temperature change: recomputed for the KL terms
+                batch = {**batch, "ref_logp": logprob_fn(ref_policy, batch["tokens"], batch["prompt_valid"],
+                                                         controls.temperature)[0]}
             texts, local = generation.texts, generation.local
             t2 = time.perf_counter()
             # on the host, while the device computes the log-probs (or already done in the background)
@@ -798,6 +804,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                 # while it runs; its PPO ratio pi_theta / pi_old then spans the one-step lag
                 pending = background.submit(rollout, step + 1, state, next(prompts_iter), controls, ref_policy,
                                             background=True)
+                drawn_with = (ref_policy, float(controls.temperature))
             warming_up = with_critic and step <= rl.critic.warmup_steps
             state, metrics = rl_update(state, warmup_fn if warming_up else step_fn, train_batch, controls, config,
                                        step, ref_policy if full_kl else None)
