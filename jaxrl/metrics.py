@@ -109,7 +109,7 @@ def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str 
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", color="tab:red", lw=2,
                 label="held-out greedy accuracy")
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("RL step")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
