@@ -785,7 +785,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                 record["reward/greedy_mean"] = float(greedy_rewards.mean())
             jax.block_until_ready(batch)
             t4 = time.perf_counter()
-            logprobs_s = produced.logprobs_s if produced.batch is not None else t4 - t3
+            logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
             reward_array = composed.total
             component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
             fields, prep_metrics = prepare(
