@@ -74,12 +74,31 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
 
 
-def _whiten(x: jax.Array, weights: jax.Array, axis, eps: float) -> jax.Array:
-    """`(x - mean) / (std + eps)` with weighted population statistics over `axis`."""
+def _all_equal(x: jax.Array, weights: jax.Array, axis) -> jax.Array:
+    """Whether the entries of `x` with weight > 0 are all equal, over `axis` (kept as size 1). bool."""
+    valid = weights > 0
+    hi = jnp.max(jnp.where(valid, x, -jnp.inf), axis, keepdims=True)
+    return hi == jnp.min(jnp.where(valid, x, jnp.inf), axis, keepdims=True)
+
+
+def _centered(x: jax.Array, weights: jax.Array, axis) -> jax.Array:
+    """`x - mean(x)` with weighted statistics over `axis`; exactly 0 where the weighted entries are equal.
+
+    In float32 the mean of eight 0.7s is not 0.7: the residue of one ulp, divided by a std of the same size,
+    used to become an advantage of 0.06-0.7 for every sample of a group whose samples all got the same
+    shaped reward. Elsewhere the arithmetic is the plain `x - mean`, bit for bit.
+    """
     total = jnp.maximum(weights.sum(axis, keepdims=True), 1e-12)
     mean = (weights * x).sum(axis, keepdims=True) / total
-    var = (weights * (x - mean) ** 2).sum(axis, keepdims=True) / total
-    return (x - mean) / (jnp.sqrt(var) + eps)
+    return jnp.where(_all_equal(x, weights, axis), 0.0, x - mean)
+
+
+def _whiten(x: jax.Array, weights: jax.Array, axis, eps: float) -> jax.Array:
+    """`(x - mean) / (std + eps)` with weighted population statistics over `axis`; 0 where the weight is 0."""
+    centered = _centered(x, weights, axis)
+    total = jnp.maximum(weights.sum(axis, keepdims=True), 1e-12)
+    std = jnp.sqrt((weights * centered ** 2).sum(axis, keepdims=True) / total)
+    return jnp.where(weights > 0, centered / (std + eps), 0.0)
 
 
 def _next(x: jax.Array) -> jax.Array:
@@ -99,7 +118,7 @@ def grpo(rewards: jax.Array, group_size: int, *, std_scope: StdScope = "group", 
     arXiv 2508.08221), or no division ("none": Dr. GRPO). rewards `[B]` -> `[B]`.
     """
     grouped = _groups(rewards, group_size)
-    centered = grouped - grouped.mean(axis=1, keepdims=True)
+    centered = _centered(grouped, jnp.ones_like(grouped), axis=1)
     if std_scope == "group":
         centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
     elif std_scope == "batch":
@@ -124,7 +143,7 @@ def rloo(rewards: jax.Array, group_size: int) -> jax.Array:
         raise ValueError(f"rloo needs group_size >= 2, got {group_size}")
     grouped = _groups(rewards, group_size)
     others = (grouped.sum(axis=1, keepdims=True) - grouped) / (group_size - 1)
-    return (grouped - others).reshape(-1)
+    return jnp.where(_all_equal(grouped, jnp.ones_like(grouped), axis=1), 0.0, grouped - others).reshape(-1)
 
 
 def reinforce_pp(rewards: jax.Array, *, group_size: int | None = None, mask: jax.Array | None = None,
@@ -134,13 +153,13 @@ def reinforce_pp(rewards: jax.Array, *, group_size: int | None = None, mask: jax
     `x = r` (or `r - mean_group(r)` when `group_size` is given: "REINFORCE++-baseline"), then
     `A = (x - mean) / (std + eps)` with population stats over the B sequences, or, given `mask [B, N]`,
     over the valid tokens (row i weighted by its length: the stats of x broadcast to tokens, as OpenRLHF
-    computes them). rewards `[B]` -> `[B]`.
+    computes them; a row without valid tokens gets 0). rewards `[B]` -> `[B]`.
     """
     if group_size is None:
         x = _groups(rewards, 1).reshape(-1)  # groups of 1: just the 1-D check and the float32 cast
     else:
         grouped = _groups(rewards, group_size)
-        x = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
+        x = _centered(grouped, jnp.ones_like(grouped), axis=1).reshape(-1)
     weights = jnp.ones_like(x) if mask is None else jnp.asarray(mask, jnp.float32).sum(axis=1)
     return _whiten(x, weights, axis=0, eps=eps)
 

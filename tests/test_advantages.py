@@ -102,7 +102,8 @@ def ref_reinforce_pp(r, g=None, mask=None, eps=1e-6):
     else:  # every valid token carries its sequence's value
         pool = [x[i] for i in range(len(x)) for t in range(mask.shape[1]) if mask[i, t]]
     mean, std = ref_mean_std(pool)
-    return np.array([(v - mean) / (std + eps) for v in x])
+    empty = np.zeros(len(x), bool) if mask is None else ~np.asarray(mask, bool).any(axis=1)
+    return np.array([0.0 if e else (v - mean) / (std + eps) for v, e in zip(x, empty)])
 
 
 def ref_opo(r, lengths, g, eps=1e-6):
@@ -257,6 +258,25 @@ def test_equal_group_gives_zero():
     lengths = f32([1, 5, 2, 9, 3, 3, 0, 4])
     for out in (adv.grpo(r, 4), adv.grpo(r, 4, std_scope="none"), adv.rloo(r, 4), adv.opo(r, lengths, 4)):
         close(out, np.zeros(8), atol=1e-6)
+
+
+def test_constant_shaped_group_gives_exactly_zero():
+    """A group whose samples all got the same non-binary reward (format or length shaping) carries no signal.
+    In float32, `x - mean(x)` of eight 0.7s is one ulp, not 0; divided by a std of the same size it used to
+    become +0.056 for every sample (+0.66 for sixteen 12.7s)."""
+    r = f32([0.7] * 8 + [12.7] * 8 + [0.1, 0.9, 0.3, 0.3, 0.2, 0.6, 0.8, 0.4])
+    for out in (adv.grpo(r, 8), adv.grpo(r, 8, std_scope="batch"), adv.rloo(r, 8),
+                adv.normalize_components(r[:, None], 8)):
+        assert np.all(np.asarray(out)[:16] == 0.0)
+        assert np.all(np.asarray(out)[16:] != 0.0)
+    assert np.all(np.asarray(adv.grpo(f32([12.7] * 16), 16)) == 0.0)
+    mask = f32(np.ones((8, 3)))
+    assert np.all(np.asarray(adv.gtpo(f32([0.0] * 8), f32(np.full((8, 3), 0.7)), mask, 8)) == 0.0)
+
+
+def test_whitening_gives_zero_to_rows_without_weight():
+    out = adv.reinforce_pp(f32([1.0, -1.0, 5.0]), mask=f32([[1, 1, 1], [1, 0, 0], [0, 0, 0]]))
+    close(out, np.array([0.5, -1.5, 0.0]) / np.array([math.sqrt(0.75) + 1e-6, math.sqrt(0.75) + 1e-6, 1.0]))
 
 
 @pytest.mark.parametrize("b,n,g", SHAPES)
