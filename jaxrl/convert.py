@@ -15,7 +15,9 @@ Four kinds of source are understood (`load_policy`, `convert`):
 
   `model.json` is written last, so an interrupted save never looks complete;
 * a training-run checkpoint `<run>/checkpoints/<step>` (orbax `CheckpointManager` step with a `state`
-  item whose `"params"` entry is the policy; the model config comes from `<run>/config.yaml`);
+  item whose `"params"` entry is the policy; the model config comes from `<run>/model.yaml`, the model the
+  run trained, which for a run from `pretrained.path` is that checkpoint's; runs written before model.yaml
+  existed fall back to the `model` section of `<run>/config.yaml`);
 * a run directory `<run>` or `<run>/checkpoints`: its latest step.
 """
 
@@ -43,11 +45,12 @@ from models.hf import CheckpointError, copy_non_weight_files
 from models.partitioning import param_axes
 from models.transformer import Policy
 
-__all__ = ["POLICY_FORMAT", "ConvertResult", "Source", "convert", "describe_source", "load_policy", "parse_size",
-           "save_policy"]
+__all__ = ["POLICY_FORMAT", "RUN_MODEL_FILE", "ConvertResult", "Source", "convert", "describe_source", "load_policy",
+           "parse_size", "save_policy"]
 
 POLICY_FORMAT = "jaxrl-policy/1"
 MODEL_FILE = "model.json"
+RUN_MODEL_FILE = "model.yaml"  # in a run directory: the ModelConfig the run trained
 PARAMS_DIR = "params"
 HF_FILES_DIR = "hf_files"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -126,8 +129,11 @@ def _run_config_file(run: str, where: str) -> str:
 
 
 def _run_model_config(config_file: str) -> ModelConfig:
-    """The `model` section of a run's config.yaml. Only that section is read, so a run written by an
-    older version whose other sections have changed still converts."""
+    """The model a run trained: `<run>/model.yaml`, or for older runs the `model` section of its config.yaml
+    (only that section is read, so a run whose other sections have since changed still converts)."""
+    model_file = os.path.join(os.path.dirname(config_file), RUN_MODEL_FILE)
+    if os.path.isfile(model_file):
+        return configlib.load_config(ModelConfig, model_file)
     try:
         with open(config_file) as f:
             data = yaml.safe_load(f) or {}
@@ -135,6 +141,11 @@ def _run_model_config(config_file: str) -> ModelConfig:
         raise configlib.ConfigError(f"{config_file}: invalid YAML: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
         raise configlib.ConfigError(f"{config_file}: expected a run config with a 'model' mapping")
+    pretrained = data.get("pretrained") if isinstance(data.get("pretrained"), dict) else {}
+    if pretrained.get("path"):  # the model section is the unused default, not the model the run trained
+        raise CheckpointError(f"{config_file}: the run started from pretrained.path={pretrained['path']}, so its "
+                              f"'model' section is not the model it trained, and it has no {RUN_MODEL_FILE} (runs "
+                              f"write one since 2026-11-23): write that model's ModelConfig fields there as YAML")
     return configlib.from_dict(ModelConfig, data.get("model", {}), source=f"{config_file}: model")
 
 

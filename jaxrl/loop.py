@@ -29,7 +29,7 @@ import models
 from jaxrl import configlib, dynamic_sampling, evaluation, losses, rewards
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config, OptimConfig
-from jaxrl.convert import describe_source, load_policy
+from jaxrl.convert import RUN_MODEL_FILE, describe_source, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.data.prompts import DataError, load_prompts
@@ -419,6 +419,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     mesh = layout.mesh
     check_batch_sizes(config, dict(mesh.shape))
     policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
+    if is_primary():  # the model this run trains (for a pretrained run, not config.model): read by load_policy
+        with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:
+            f.write(configlib.dump_yaml(policy.config))
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
@@ -646,9 +649,10 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     step_fn = make_rl_step(optimizer, objective, **step_args)
     warmup_fn = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
     logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
+    component_weights = config.reward.component_weights()  # name -> weight; the `[B, K]` columns' order
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         advantage_fn=advantage_fn,
-                                        component_weights=tuple(config.reward.component_weights().values())))
+                                        component_weights=tuple(component_weights.values())))
     controls = Controls.initial(loss_config, rl.sampling.temperature)
     keep_ref = loss_config.needs_ref_logp or full_kl
     first_step = 1
@@ -666,7 +670,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         prompts_iter.set_state(metadata["prompt_iterator"])
 
     preempted = _PreemptionFlag()
-    rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)
+    rl_key = jax.random.fold_in(jax.random.key(config.seed), 2)  # sampling; 3: minibatch order, 4: sampled evaluation
+    loss_key = jax.random.fold_in(jax.random.key(config.seed), 5)  # the loss's own draws (Clip-Cov)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0}
     consecutive_skips = 0
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
@@ -773,13 +778,15 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
             seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
                     "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
-            if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the reward of the greedy completion
-                greedy_texts = generate(state.policy, [p.prompt for p in problems], step_key, greedy).texts
-                greedy_scored = pool.score(greedy_texts, [p.reference for p in problems])
-                seen["greedy"] = np.repeat(greedy_scored.rewards, rl.group_size)
+            if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the greedy completion's reward,
+                greedy_out = generate(state.policy, [p.prompt for p in problems], step_key, greedy)  # shaped alike
+                greedy_scored = pool.score(greedy_out.texts, [p.reference for p in problems])
+                greedy_total = shaped_rewards(greedy_scored.rewards, greedy_out.texts,
+                                              greedy_out.local.completion_mask.sum(1), config).total
+                seen["greedy"] = np.repeat(greedy_total, rl.group_size)
             seen = gather(seen, generate.mesh)  # every process's rows, on every process
             scored = _gathered_result(scored, seen["correct"], generate.mesh)
-            composed = rewards.compose(seen["components"], config.reward.component_weights())
+            composed = rewards.compose(seen["components"], component_weights)
             greedy_rewards = seen.get("greedy")
             if greedy_rewards is not None:
                 record["reward/greedy_mean"] = float(greedy_rewards.mean())
@@ -787,10 +794,10 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             t4 = time.perf_counter()
             logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
             reward_array = composed.total
-            component_array = np.stack(list(composed.components.values()), axis=1)  # [B, K]
+            component_array = np.stack([composed.components[k] for k in component_weights], axis=1)  # [B, K]
             fields, prep_metrics = prepare(
                 rewards=shard_batch(reward_array, generate.mesh), completion_mask=batch["completion_mask"],
-                old_logp=batch["old_logp"], key=jax.random.fold_in(step_key, 1), truncated=batch["truncated"],
+                old_logp=batch["old_logp"], key=jax.random.fold_in(loss_key, step), truncated=batch["truncated"],
                 entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
                 values=batch.get("old_values"),
                 greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, generate.mesh),

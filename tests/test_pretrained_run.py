@@ -13,9 +13,11 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 
 import models
+from models.hf import CheckpointError
 from jaxrl import cli, configlib, loop
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
+from jaxrl.convert import RUN_MODEL_FILE, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.tokenizer import load_tokenizer
 from test_hf_tokenizer import CHATML as CHATML_WITH_SYSTEM
@@ -134,6 +136,23 @@ def test_run_from_a_converted_policy_checkpoint(pretrained_run):
         "output_dir", str(run)))
     assert summary["num_parameters"] == models.num_parameters(models.load_config(tmp / "qwen"))
     assert (run / "hf" / "tokenizer.json").exists() and models.from_pretrained(run / "hf", progress=False)
+
+
+def test_a_run_from_a_checkpoint_loads_as_the_model_it_trained(pretrained_run, tmp_path):
+    """A run records the model it trained (model.yaml): for a run from pretrained.path that checkpoint's model,
+    not config.yaml's unused `model` section, so `load_policy(run)`, `jaxrl convert run` and
+    `pretrained.path=<run>` all work."""
+    tmp, _, _ = pretrained_run
+    policy = load_policy(tmp / "run")
+    exported = models.from_pretrained(tmp / "run" / "hf", progress=False)
+    assert policy.config.hidden_size == exported.config.hidden_size
+    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(exported.params)):
+        np.testing.assert_array_equal(got, want)
+    older = tmp_path / "older"  # a run written before model.yaml existed: an error that says so
+    shutil.copytree(tmp / "run", older, ignore=shutil.ignore_patterns("hf", RUN_MODEL_FILE))
+    with pytest.raises(CheckpointError, match=r"started from pretrained.path=.*'model' section is not the model "
+                                              r"it trained, and it has no model.yaml"):
+        load_policy(older)
 
 
 # ----------------------------------------------------------------------------- the real-model recipes, in small

@@ -2,6 +2,7 @@
 
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -37,6 +38,8 @@ FORMAT_CASES = [
     ("<think>a</think><answer></answer>", 0.0, "empty answer"),
     ("<think>a<think>b</think>c</think><answer>4</answer>", 0.0, "nested think"),
     ("<think>a<answer>4</answer></think>", 0.0, "answer nested in think"),
+    ("<think><answer>5</think></answer>", 0.0, "answer opened inside think, closed after it"),
+    ("<think>a<answer>5</think>b</answer>", 0.0, "blocks interleaved"),
     ("<answer>4</answer><think>a</think>", 0.0, "wrong order"),
     ("</think>a<think><answer>4</answer>", 0.0, "think tags reversed"),
     ("<THINK>a</THINK><ANSWER>4</ANSWER>", 0.0, "tags are case-sensitive"),
@@ -138,6 +141,16 @@ def test_compose_sums_and_metrics():
     assert metrics["reward/overlong"] == pytest.approx(-0.375)
     assert all(isinstance(v, float) for v in metrics.values())
     assert set(out.metrics(prefix="r_")) == {"r_total", "r_correct", "r_format", "r_overlong"}
+
+
+def test_compose_orders_components_as_the_weights():
+    """The loop stacks `components` into `[B, K]` columns that line up with `weights`' values; a pytree pass
+    (`jax.tree.map`, the multi-process gather) sorts dict keys, so compose must restore the weights' order."""
+    weights = {"correct": 1.0, "format": 0.1, "overlong": 0.5, "length": 1.0}
+    sorted_components = {k: np.full(2, i, np.float32) for i, k in enumerate(sorted(weights))}
+    out = compose(jax.tree.map(np.asarray, sorted_components), weights)
+    assert list(out.components) == list(weights)
+    np.testing.assert_array_equal(out.components["overlong"], sorted_components["overlong"])
 
 
 def test_compose_unknown_weight():

@@ -89,3 +89,26 @@ def test_same_seed_same_run(tmp_path):
     assert runs[0] == runs[1]
     loop.run(tiny_config(tmp_path / "c", *extra, "seed=1"))
     assert drop_timings(read_metrics(tmp_path / "c" / "metrics.jsonl")) != runs[0]
+
+
+def test_remax_baseline_is_the_greedy_completion_shaped_like_the_samples(tmp_path, monkeypatch):
+    """ReMax subtracts the greedy completion's reward from each sample's: with shaping on, both must be the
+    shaped total (here DAPO's overlong ramp over all 40 tokens), or every sample carries the shaping as a bias."""
+    calls = []
+    real = loop.shaped_rewards
+
+    def spy(correct, texts, lengths, config):
+        out = real(correct, texts, lengths, config)
+        calls.append((np.asarray(correct), out.total))
+        return out
+
+    monkeypatch.setattr(loop, "shaped_rewards", spy)
+    config = tiny_config(tmp_path, "rl.steps=2", "eval.every=0", "checkpoint.every=0",
+                         "rl.loss.advantage.estimator=remax", "reward.overlong_buffer=40")
+    loop.run(config)
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/greedy_mean" in r]
+    greedy_calls = [c for c in calls if len(c[0]) == config.rl.prompts_per_step]
+    assert len(records) == len(greedy_calls) == 2
+    for record, (correct, total) in zip(records, greedy_calls):
+        assert not np.array_equal(correct, total)  # the penalty is on
+        np.testing.assert_allclose(record["reward/greedy_mean"], total.mean(), rtol=1e-6)

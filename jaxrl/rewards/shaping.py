@@ -46,7 +46,7 @@ def format_reward(completion: str, *, pattern: str = "think_answer") -> float:
         if text.count(open_tag) != 1 or text.count(close_tag) != 1:
             return 0.0
         start = text.find(open_tag)
-        if text[pos:start].strip():  # something other than whitespace before this block
+        if start < pos or text[pos:start].strip():  # inside the previous block, or text before this one
             return 0.0
         end = text.find(close_tag, start)
         if end < 0:  # the close tag comes before the open tag
@@ -106,7 +106,8 @@ class ComposedRewards:
 
 
 def compose(components: Mapping[str, np.ndarray], weights: Mapping[str, float]) -> ComposedRewards:
-    """`total = sum_i weights[i] * components[i]`, every component a finite `[N]` array.
+    """`total = sum_i weights[i] * components[i]`, every component a finite `[N]` array. The result's
+    components come in the order of `weights`, whatever the order of `components`.
 
     Raises ValueError if the weight names differ from the component names, if the component lengths
     differ, or if a component holds a non-finite value (NaN/inf).
@@ -118,7 +119,7 @@ def compose(components: Mapping[str, np.ndarray], weights: Mapping[str, float]) 
     if unknown or missing:
         raise ValueError(f"reward weights do not match components: weights for unknown components {unknown}, "
                          f"components without a weight {missing}")
-    arrays = {name: np.asarray(v, dtype=np.float32) for name, v in components.items()}
+    arrays = {name: np.asarray(components[name], dtype=np.float32) for name in weights}  # in weights' order
     not_1d = {name: a.shape for name, a in arrays.items() if a.ndim != 1}
     if not_1d:
         raise ValueError(f"reward components must be 1-D [N] arrays, got shapes {not_1d}")
