@@ -146,7 +146,9 @@ class RLConfig:
 class RewardConfig:
     function: Literal["arithmetic", "math", "code"] = "arithmetic"  # see jaxrl.loop.REWARD_FUNCTIONS
     num_workers: int = _field(2, ge=1)
-    timeout_s: float = _field(2.0, gt=0)  # per completion; a stuck worker is killed and replaced
+    # Per completion; a stuck worker is killed and replaced. For `code`, all of a problem's test runs share it
+    # (each ~20-50 ms to start, at most 5 s): runs that no longer fit score as failed, with a logged warning.
+    timeout_s: float = _field(2.0, gt=0)
     # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
     # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
     batch_timeout_s: float | None = _field(None, gt=0)

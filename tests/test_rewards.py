@@ -25,6 +25,8 @@ from jaxrl.rewards import (  # noqa: E402
     math_verify,
     normalize_answer,
 )
+from jaxrl.rewards.timeout import call_with_timeout  # noqa: E402
+from jaxrl.rewards.pool import item_deadline  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # extract_answer
@@ -90,6 +92,15 @@ NORMALIZE_CASES = [
     ("x = 5.", "5"),
     (r"3\!000", "3000"),
     (r"\pi r^2", r"\pi r^2"),
+    # words that change the value are not units; a leading scale word multiplies
+    ("40 percent", "40"),
+    ("12 squared", "12squared"),
+    ("5 or more", "5ormore"),
+    ("4 Pi", "4Pi"),
+    ("5 million", "5000000"),
+    ("2.5 Million dollars", "2500000"),
+    (r"5\text{ million}", "5000000"),
+    (r"5\text{ or more}", "5ormore"),
 ]
 
 
@@ -121,6 +132,17 @@ EQUIVALENT = [
     (r"\{1,2\}", r"\{2,1\}"),
     (r"\$1,234.50", "1234.5"),
     (r"90^\circ", "90"),
+    # symbolic powers above 16: exact (rational functions) or 50-digit agreement
+    ("(x+1)^{20}", "(x+1)^{18}(x^2+2x+1)"),
+    ("(2x)^{17}", "131072x^{17}"),
+    (r"(2\sin x\cos x)^{17}", r"\sin(2x)^{17}"),
+    (r"\sin^2 x+\cos^2 x", "1"),
+    (r"\sqrt[3]{\sqrt[3]{512}}", "2"),
+    (r"\cos(\sin(\tan(0)))", "1"),  # functions nested 3 deep are fine
+    (r"\frac{1}{\infty}", "0"),  # infinities stay symbolic, not "huge"
+    (r"\infty^2", r"\infty"),
+    ("5 million", "5,000,000"),
+    ("3 million people", "3000000"),
 ]
 
 NOT_EQUIVALENT = [
@@ -136,6 +158,29 @@ NOT_EQUIVALENT = [
     ("", ""),
     ("x.__class__", "1"),
     ("__import__('os')", "0"),
+    # a large leading term used to swamp the difference (relative tolerance 1e-6)
+    ("(x+1)^{17}+1", "(x+1)^{17}"),
+    ("x^{100}", "x^{100}+1"),
+    ("x^{999}", "x^{999}+1"),
+    (r"e^{x}x^{100}", r"e^{x}x^{100}+1"),
+    (r"(2\sin x\cos x)^{17}", r"\sin(2x)^{17}+10^{-20}"),
+    (r"e^{x}x^{-999}", r"2e^{x}x^{-999}"),
+    (r"\pi^{100}", r"\pi^{100}+\sqrt{2}"),  # two closed forms: no rel_tol
+    (r"3.14159x^{17}", r"\pi x^{17}"),
+    # root index: only an integer 2..99 (\sqrt[1/999]{9} is 9^999)
+    (r"\sqrt[1/999]{9}", "9^{999}"),
+    ("root(9,1/999)", "9^{999}"),
+    (r"\sin^{-1} x", r"\frac{1}{\sin x}"),  # arcsin, not 1/sin
+    # words that change the value are not units
+    ("12 squared", "12"),
+    ("12 squared", "144"),
+    ("5 cubed", "5"),
+    ("5 million", "5"),
+    (r"5\text{ million}", "5"),
+    ("5 or more", "5"),
+    (r"5\text{ or more}", "5"),
+    ("4 Pi", "4"),
+    ("4 PI", "4"),
 ]
 
 
@@ -198,6 +243,30 @@ def test_adversarial_inputs_are_fast_and_zero(name):
     assert math_verify(completion, "1") == 0.0
     assert arithmetic_reward(completion, "1") == 0.0
     assert time.monotonic() - start < 5.0
+
+
+# Short answers that used to run for seconds to minutes: a power hidden in a root
+# index, exp towers under sin/cos (millions of digits of pi), symbolic exponents at
+# sample points, functions nested 5 deep (simplify is exponential in the depth).
+SHORT_BUT_SLOW = [
+    r"\sqrt[1/999]{\sqrt[1/999]{\sqrt[1/999]{9}}}",
+    "root(root(root(9,1/999),1/999),1/999)",
+    r"\sin(\exp(\exp(99)))",
+    r"x+\cos(\exp(\exp(99)))",
+    r"x^{17}+\sin(e^{999abcdfghjklmnopq})",
+    r"x^{17}+2^{abcdfghjklmnopqrstuvwABCDEFGHIJKLMNOPQRSTUVWXYZ}",
+    r"\tan(\tan(\tan(\tan(\tan(1)))))",
+]
+
+
+@pytest.mark.parametrize("bad", SHORT_BUT_SLOW)
+def test_short_adversarial_answers_are_rejected_fast(bad):
+    is_equivalent("x^{17}", "x^{17}")  # import sympy outside the timed calls
+    for args in ((bad, "1"), ("1", bad), (bad, bad + "+1")):
+        start = time.monotonic()
+        # The alarm turns a regression into a failure instead of a hang.
+        assert call_with_timeout(is_equivalent, args, 3.0, "timed out") is False, args
+        assert time.monotonic() - start < 1.0, args
 
 
 def test_adversarial_references_and_answers():
@@ -358,3 +427,36 @@ def test_pool_adversarial_inputs_score_zero_within_timeout():
     assert (result.timeouts, result.errors) == (0, 0), names
     assert dict(zip(names, result.rewards.tolist())) == dict.fromkeys(names, 0.0)
     assert elapsed < timeout_s
+
+
+def seconds_left(completion: str, reference: str) -> float:
+    """Reward: the time the pool gives this item, as seen from the worker."""
+    return item_deadline() - time.monotonic()
+
+
+def hang_then_touch(completion: str, reference: str) -> float:
+    """Reward: hangs; creates the file ``reference`` when unwound (by the pool's SIGTERM)."""
+    try:
+        while True:
+            time.sleep(1.0)
+    finally:
+        open(reference, "w").close()
+
+
+def test_pool_tells_the_worker_its_deadline():
+    assert item_deadline() == math.inf  # not in a worker
+    with RewardPool(seconds_left, num_workers=1, timeout_s=5.0) as pool:
+        left = pool.score(["a", "b"], ["", ""]).rewards
+    assert ((left > 3.0) & (left <= 5.0)).all(), left
+    with RewardPool(seconds_left, num_workers=1, timeout_s=30.0, batch_timeout_s=4.0) as pool:
+        left = pool.score(["a"], [""]).rewards
+    assert 2.0 < left[0] <= 4.0, left  # the batch budget is the tighter one
+
+
+def test_pool_timeout_unwinds_the_reward_function(tmp_path):
+    # Killing starts with SIGTERM, which unwinds the reward function so that its cleanup runs.
+    touched = tmp_path / "cleaned_up"
+    with RewardPool(hang_then_touch, num_workers=1, timeout_s=0.5) as pool:
+        result = pool.score(["x"], [str(touched)])
+    assert (result.timeouts, result.errors) == (1, 0)
+    assert touched.exists()

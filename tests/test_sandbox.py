@@ -1,14 +1,21 @@
 """Tests for jaxrl.rewards.sandbox: correctness of scoring and containment of hostile programs."""
 
+import glob
 import json
+import logging
+import multiprocessing
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import uuid
 
 import psutil
 import pytest
 
+import jaxrl.rewards.sandbox as sandbox
 from jaxrl.rewards.pool import RewardPool
 from jaxrl.rewards.sandbox import (
     NOBODY,
@@ -262,3 +269,196 @@ def test_huge_output_is_capped():
         assert status == "output_limit"
         assert len(out) <= 1000
         assert time.monotonic() - start < 4.0
+
+
+# -- assert tests cannot be passed by exiting early ----------------------------
+
+# Each program tries to score on tests it cannot pass. Before the harness, every
+# one of them exited with status 0, which used to count as passing.
+EXIT_HACKS = {
+    "sys.exit": "import sys\nsys.exit(0)\n",
+    "os._exit": "import os\nos._exit(0)\n",
+    "SystemExit(0)": "raise SystemExit(0)\n",
+    "SystemExit": "raise SystemExit\n",
+    "exit()": "exit()\n",
+    "quit()": "quit(0)\n",
+    "exec /bin/true": "import os\nos.execv('/bin/true', ['true'])\n",
+    "fork, parent exits": "import os\nif os.fork():\n    os._exit(0)\n",
+    "atexit": "import atexit, os\natexit.register(os._exit, 0)\n",
+    "excepthook": "import os, sys\nsys.excepthook = lambda *exc: os._exit(0)\n",
+    "patched builtins": (
+        "import builtins\n"
+        "builtins.AssertionError = type('Harmless', (Warning,), {})\n"
+        "builtins.exec = builtins.compile = lambda *args, **kwargs: None\n"
+    ),
+    "fake markers": (
+        "import os\n"
+        "print('ok')\n"
+        "for fd in range(1, 256):\n"
+        "    try:\n"
+        "        os.write(fd, b'ok\\n0123456789abcdef0123456789abcdef')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    ),
+}
+UNPASSABLE = [{"assert": "assert f(2) == 4"}, {"assert": "assert False"}, {"input": "2\n", "output": "4\n"}]
+
+
+@pytest.mark.parametrize("code", EXIT_HACKS.values(), ids=EXIT_HACKS.keys())
+def test_exiting_early_does_not_pass_assert_tests(code):
+    result = run_tests(code, UNPASSABLE, FAST)
+    assert result.pass_fraction == 0.0, result
+    assert code_reward(_completion(code), _reference(UNPASSABLE)) == 0.0
+
+
+def test_early_exit_status():
+    result = run_tests("import sys\nsys.exit(0)\n", [{"assert": "pass"}], FAST)
+    assert [c.status for c in result.cases] == ["runtime_error"]  # SystemExit is caught by the harness
+    result = run_tests("import os\nos._exit(0)\n", [{"assert": "pass"}], FAST)
+    assert [c.status for c in result.cases] == ["early_exit"]
+
+
+def test_assert_harness_runs_ordinary_programs_as_scripts():
+    code = (
+        "import pickle, sys\n"
+        "class Point:\n    def __init__(self, x):\n        self.x = x\n"
+        "def f(x):\n    return x * x\n"
+        "if __name__ == '__main__':\n"
+        "    MAIN = (__file__, sys.argv, pickle.loads(pickle.dumps(Point(3))).x)\n"
+        "    print('some output')\n"
+    )
+    tests = [
+        {"assert": "assert f(5) == 25"},
+        {"assert": "import os\nassert os.path.isabs(MAIN[0]) and MAIN[0].endswith('/prog.py'), MAIN"},
+        {"assert": "assert MAIN[1:] == (['prog.py'], 3), MAIN"},
+        {"assert": "import sys\nassert sys.modules['__main__'].f is f"},
+        {"assert": "assert f(2) == 5"},
+    ]
+    result = run_tests(code, tests, FAST)
+    assert [c.status for c in result.cases] == ["ok", "ok", "ok", "ok", "runtime_error"], result
+    syntax_error = run_tests("def f(:\n", [{"assert": "pass"}], FAST)
+    assert syntax_error.cases[0].status == "runtime_error"
+    assert run_tests("x = bytearray(10**10)\n", [{"assert": "pass"}], FAST).cases[0].status == "memory"
+
+
+def test_assert_text_is_not_visible_to_the_program():
+    # The test's text lives only in the harness: no file in the sandbox dir (prog.py included) holds it.
+    code = (
+        "import os\n"
+        "def f(x):\n    return x * x\n"
+        "TOKEN = str(31336 + 1)  # not spelled out, so that prog.py does not contain it\n"
+        "LEAKED = [n for n in os.listdir('.')\n"
+        "          if os.path.isfile(n) and TOKEN in open(n, errors='replace').read()]\n"
+    )
+    result = run_tests(code, [{"assert": "assert not LEAKED and f(31337) == 31337 ** 2, LEAKED"}], FAST)
+    assert result.pass_fraction == 1.0, result
+
+
+# -- time budgets and orphans --------------------------------------------------------
+
+SLEEPER = "import time\ntime.sleep(25)\ndef f(x):\n    return x * x\n"
+
+
+def test_run_tests_budget():
+    limits = SandboxLimits(wall_time_s=5.0, cpu_time_s=1.0)
+    tests = [{"assert": "assert f(2) == 4"}, {"bogus": 1}, {"input": "", "output": ""}]
+    start = time.monotonic()
+    result = run_tests(SLEEPER, tests, limits, budget_s=1.0)
+    assert time.monotonic() - start < 3.0
+    assert [c.status for c in result.cases] == ["timeout", "invalid_test", "not_run"]
+    assert run_tests(SQUARE, TESTS, FAST, budget_s=30.0).pass_fraction == 1.0
+
+
+def test_code_reward_stays_within_the_pool_deadline(monkeypatch, caplog):
+    tests = [{"assert": f"assert f({i}) == {i * i}"} for i in range(40)]
+    monkeypatch.setattr(sandbox, "item_deadline", lambda: time.monotonic() + 0.6)
+    monkeypatch.setattr(sandbox, "_budget_warned", False)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+        reward = code_reward(_completion(SQUARE), _reference(tests))
+    assert time.monotonic() - start < 1.5
+    assert 0.0 <= reward < 1.0  # a correct program, but there was no time for all of its tests
+    assert "reward.timeout_s" in caplog.text
+
+
+def test_code_reward_in_a_pool_stops_before_the_pool_kills_it():
+    tests = [{"assert": "assert f(2) == 4"}, {"input": "3\n", "output": "9\n"}]
+    with RewardPool(code_reward, num_workers=1, timeout_s=1.5) as pool:
+        pool.score(["warm"], ["{}"])
+        start = time.monotonic()
+        result = pool.score([_completion(SLEEPER), _completion(SQUARE)], [_reference(tests)] * 2)
+        elapsed = time.monotonic() - start
+    # The sleeper's runs were cut short by code_reward itself: no kill, no worker restart.
+    assert (result.timeouts, result.errors) == (0, 0)
+    assert result.rewards.tolist() == [0.0, 1.0]
+    assert elapsed < 3.0
+
+
+def _tagged_sleeper(tag: str) -> str:
+    """A program that marks its sandbox dir with ``tag``, then sleeps in a process with ``tag`` in its argv."""
+    return (
+        "import os, sys\n"
+        f"open({tag!r}, 'w').close()\n"
+        f"os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(25)', {tag!r}])\n"
+    )
+
+
+def _tagged_processes(tag: str) -> list:
+    return [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or ())]
+
+
+def _tagged_dirs(tag: str) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl_sandbox_*", tag))
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def tag():
+    tag = f"jaxrl_orphan_{uuid.uuid4().hex}"
+    yield tag
+    for p in _tagged_processes(tag):  # only reached when the test failed
+        p.kill()
+    for path in _tagged_dirs(tag):
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def run_without_deadline(completion: str, reference: str) -> float:
+    """Runs the completion with the default 5 s wall limit, longer than the pool timeouts below allow."""
+    status, _, _ = run_program(completion, reference)
+    return float(status == "ok")
+
+
+def test_pool_timeout_ends_the_sandboxed_program_and_removes_its_dir(tag):
+    with RewardPool(run_without_deadline, num_workers=1, timeout_s=1.0) as pool:
+        assert pool.score(["print(1)\n"], [""]).rewards.tolist() == [1.0]  # worker started
+        result = pool.score([_tagged_sleeper(tag)], [""])
+        assert (result.timeouts, result.rewards.tolist()) == (1, [0.0])
+        assert _wait_until(lambda: not _tagged_processes(tag), 2.0), "the program outlived its worker"
+        assert _wait_until(lambda: not _tagged_dirs(tag), 2.0), "the sandbox dir was left behind"
+
+
+def test_killed_worker_takes_its_sandboxed_program_with_it(tag):
+    ctx = multiprocessing.get_context("spawn")
+    worker = ctx.Process(target=run_program, args=(_tagged_sleeper(tag), ""))
+    worker.start()
+    try:
+        started = _wait_until(lambda: _tagged_processes(tag) and _tagged_dirs(tag), 8.0)
+        assert started, "the program never started"
+        os.kill(worker.pid, signal.SIGKILL)  # no chance to clean up
+        worker.join()
+        assert _wait_until(lambda: not _tagged_processes(tag), 2.0), "the program outlived its worker"
+        assert _tagged_dirs(tag)
+        sandbox._remove_orphaned_dirs()  # what the next sandbox process does first
+        assert not _tagged_dirs(tag)
+    finally:
+        worker.kill()
+        worker.join()

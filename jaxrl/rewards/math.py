@@ -3,8 +3,10 @@
 Everything here is a pure function of strings and never ``eval``s or ``exec``s
 model text directly. Symbolic comparison goes through
 ``sympy.parsing.sympy_parser.parse_expr`` only after the string has passed a
-strict whitelist (characters, identifiers, exponent sizes), and sympy is
-imported lazily so that ``import jaxrl.rewards`` stays fast.
+strict whitelist (characters, identifiers, exponent sizes), and the parsed
+tree is valued bottom-up at low precision before anything is evaluated exactly
+or simplified (``_is_tame``). sympy is imported lazily so that
+``import jaxrl.rewards`` stays fast.
 
 All scanning is linear-time (no backtracking-prone regexes, no recursion over
 the input), so megabyte-sized or deeply nested completions return quickly.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import string
+from decimal import Decimal
 from fractions import Fraction
 
 __all__ = [
@@ -30,6 +33,14 @@ __all__ = [
 MAX_PARSE_CHARS = 200
 # Exponent literals with more digits than this are rejected unevaluated.
 MAX_EXPONENT_DIGITS = 3
+# Powers and ``exp`` beyond 10**this, and sin/cos/tan of arguments beyond it, are
+# rejected before they are evaluated (exactly or to high precision).
+MAX_VALUE_DIGITS = 3000
+# ``\\sqrt[n]{x}`` / ``root(x, n)``: only integer indices 2..this.
+MAX_ROOT_INDEX = 99
+# sin/cos/tan/log/exp nested deeper than this are rejected: simplify() is
+# exponential in the depth (``\\tan(\\tan(\\tan(\\tan(\\tan(1)))))`` takes minutes).
+MAX_FUNCTION_DEPTH = 3
 
 # ---------------------------------------------------------------------------
 # Extraction
@@ -185,23 +196,53 @@ _TEXT_RE = re.compile(
 _UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*\{?\s*[0-9]\s*\}?)?\s*\Z")
 # Keep one space between a LaTeX command and a following letter ("\pi r").
 _SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
-# A plain number followed by unit words ("5 cm", "4 hours", "40 percent",
-# "12 cm^2"); words that are mathematics ("2 pi", "3 sqrt") are not units.
+# A plain number followed by words ("5 cm", "4 hours", "40 percent", "12 cm^2",
+# "5 million"); _drop_unit_words decides whether the words are units.
 _PLAIN_UNITS_RE = re.compile(
     r"([-+]?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+))[ \t]*"
-    r"(?!(?:pi|sqrt|ln|log|sin|cos|tan|exp|infty|oo)(?![A-Za-z]))"
-    r"[A-Za-z]{2,}\.?(?:[ \t]+[A-Za-z]{2,}\.?)*(?:[ \t]*\^[ \t]*\{?[0-9]\}?)?"
+    r"([A-Za-z]{2,}\.?(?:[ \t]+[A-Za-z]{2,}\.?)*)([ \t]*\^[ \t]*\{?[0-9]\}?)?"
 )
+# A leading scale word multiplies the number ("5 million" -> 5000000).
+_SCALES = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "billion": 10**9,
+           "trillion": 10**12}
+# Words (any case) that change the value, so are never dropped as units:
+# mathematics ("2 pi"), operators and bounds ("12 squared", "5 or more"), scales.
+_NOT_UNIT_WORDS = frozenset(
+    "pi sqrt ln log sin cos tan exp infty infinity oo squared cubed or and more less than"
+    " fewer times plus minus over dozen".split()
+) | frozenset(_SCALES)
 _ASSIGNMENT_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
 _THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
+
+
+def _are_unit_words(text: str) -> bool:
+    return not any(w.casefold() in _NOT_UNIT_WORDS for w in re.findall(r"[A-Za-z]+", text))
 
 
 def _strip_text_wrappers(s: str) -> str:
     """Drop a trailing ``\\text{units}`` after a value; unwrap other ``\\text{X}``."""
     last = _last_match(_TEXT_RE, s)
-    if last is not None and s[: last.start()].strip() and _UNIT_TAIL_RE.match(s, last.end()):
+    if (last is not None and s[: last.start()].strip() and _UNIT_TAIL_RE.match(s, last.end())
+            and _are_unit_words(last.group(1))):
         s = s[: last.start()]
     return _TEXT_RE.sub(lambda m: m.group(1), s)
+
+
+def _drop_unit_words(m: re.Match) -> str | None:
+    """The number of a ``_PLAIN_UNITS_RE`` match, scaled by a leading scale word; None if
+    a word is not a unit (``12 squared``, ``5 or more``, ``4 Pi``)."""
+    number, words = m.group(1), m.group(2).replace(".", " ").casefold().split()
+    scale = _SCALES.get(words[0]) if m.group(3) is None else None
+    if scale is not None:
+        words = words[1:]
+    if not _are_unit_words(" ".join(words)):
+        return None
+    if scale is None:
+        return number
+    if "," in number and not _THOUSANDS_RE.fullmatch(number):
+        return None
+    value = format(Decimal(number.replace(",", "")) * scale, "f")
+    return value.rstrip("0").rstrip(".") if "." in value else value
 
 
 def normalize_answer(s: str) -> str:
@@ -209,7 +250,9 @@ def normalize_answer(s: str) -> str:
 
     Removes whitespace, ``$``, ``\\!``/``\\,``-style spacing, ``\\left``/``\\right``,
     ``\\text{...}`` unit wrappers, plain unit words after a number (``5 cm``,
-    ``40 percent``), degrees (``^\\circ``), percent signs, trailing
+    ``40 percent``; never words that change the value: ``12 squared``, ``5 or
+    more``, ``4 Pi`` stay, and a leading scale word multiplies: ``5 million`` ->
+    ``5000000``), degrees (``^\\circ``), percent signs, trailing
     periods, thousands separators (``1,234`` but not ``(1,2)``) and a leading
     single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac`` to
     ``\\frac`` and expands ``\\frac12``/``\\sqrt2`` shorthands. Linear time.
@@ -225,7 +268,7 @@ def normalize_answer(s: str) -> str:
     s = _strip_text_wrappers(s)
     m = _PLAIN_UNITS_RE.fullmatch(s.strip())
     if m is not None:
-        s = m.group(1)
+        s = _drop_unit_words(m) or s
     s = _SPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s).strip()
     s = s.rstrip(".")
     if s.endswith("%"):
@@ -328,9 +371,10 @@ def _brace_group(s: str, i: int, open_ch: str = "{", close_ch: str = "}") -> int
 def _latex_to_sympy(s: str) -> str | None:
     """Rewrite the small LaTeX subset we support into sympy syntax, or None.
 
-    Handles ``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\sqrt[n]{x}``, ``\\pi``,
-    ``\\cdot``, ``\\times``, ``\\div``, ``\\infty``, ``\\ln``/``\\log``/``\\sin``...,
-    ``^`` and ``{}`` grouping. Any other backslash command -> None.
+    Handles ``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (integer n in
+    2..``MAX_ROOT_INDEX``), ``\\pi``, ``\\cdot``, ``\\times``, ``\\div``, ``\\infty``,
+    ``\\ln``/``\\log``/``\\sin``... (``\\sin^2 x`` is ``(\\sin x)^2``), ``^`` and ``{}``
+    grouping. Any other backslash command -> None.
     """
     # Innermost-last: the last \frac / \sqrt never contains another one.
     while True:
@@ -350,13 +394,23 @@ def _latex_to_sympy(s: str) -> str | None:
                 k = _brace_group(s, j, "[", "]")
                 if k is None:
                     return None
-                index, j = s[j + 1 : k - 1], k
+                index, j = s[j + 1 : k - 1].strip(), k
+                # \sqrt[1/999]{x} would be x^999: no guard would see that power.
+                if not (re.fullmatch(r"[0-9]{1,2}", index) and 2 <= int(index) <= MAX_ROOT_INDEX):
+                    return None
             k = _brace_group(s, j)
             if k is None:
                 return None
             body = s[j + 1 : k - 1]
             repl = f" sqrt({body})" if index is None else f" root({body},{index})"
             s = s[:i] + repl + s[k:]
+    # "\sin^2 x", "\cos^{2}(x)" -> "(\sin(x))^{2}"; not "\sin^{-1}" (arcsin)
+    s = re.sub(
+        r"\\(sin|cos|tan|ln|log)\^(?:([0-9])|\{([0-9])\}) ?"
+        r"(\([^()]*\)|[0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
+        r"(\\\1(\4))^{\2\3}",
+        s,
+    )
     # "\ln 2", "\sin x", "\cos\pi" -> call syntax
     s = re.sub(
         r"\\(ln|log|sin|cos|tan|exp) ?([0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
@@ -458,8 +512,74 @@ def _to_sympy_syntax(s: str) -> str | None:
     return code
 
 
+def _root(radicand, index):
+    """``root`` for the parser: a small integer index only (``root(9, 1/999)`` is ``9**999``)."""
+    import sympy
+
+    if not (isinstance(index, sympy.Integer) and 2 <= index <= MAX_ROOT_INDEX):
+        raise ValueError(f"unsupported root index {index}")
+    return sympy.root(radicand, index, evaluate=False)
+
+
+def _mp(value, bits: int = 64):
+    """An evaluated sympy number as an mpmath complex (maybe infinite), or None if not a number."""
+    import mpmath
+
+    try:
+        z = mpmath.mpmathify(value._to_mpmath(bits))
+    except Exception:  # noqa: BLE001 - not a number (a symbol left, nan, AccumBounds...)
+        return None
+    return None if mpmath.isnan(z) else z
+
+
+def _is_tame(expr, point: dict) -> bool:
+    """Whether ``expr`` (symbols -> ``point``) evaluates without astronomically large numbers.
+
+    Bottom-up, each node without free symbols is valued at 15 digits once its
+    children passed: every power and ``exp``, however produced (``^``, ``root``,
+    ``\\exp``), must stay below 10**``MAX_VALUE_DIGITS``, and so must sin/cos/tan
+    arguments (``\\sin(e^{e^{99}})`` needs e^{99} digits of pi). Symbolic nodes are
+    skipped; the numeric comparison checks again at each sample point.
+    """
+    import mpmath
+    import sympy
+
+    max_log, limit = MAX_VALUE_DIGITS * math.log(10), mpmath.mpf(10) ** MAX_VALUE_DIGITS
+    values = {}
+    for node in sympy.postorder_traversal(expr):
+        if node in values or node.free_symbols - point.keys():
+            continue
+        if node.is_Pow or isinstance(node, sympy.exp):
+            base, power = node.as_base_exp()
+            b, p = values.get(base), values.get(power)
+            if b is None or p is None:
+                return False
+            if b != 0 and mpmath.isfinite(b) and mpmath.isfinite(p):  # oo stays symbolic
+                w = p * mpmath.log(b)  # |b**p| = exp(re(w))
+                if abs(w.real) > max_log or abs(w.imag) > limit:
+                    return False
+        elif isinstance(node, (sympy.sin, sympy.cos, sympy.tan)):
+            arg = values.get(node.args[0])  # |sin(z)| ~ exp(|im(z)|)
+            if arg is None:
+                return False
+            if mpmath.isfinite(arg) and (abs(arg) > limit or abs(arg.imag) > max_log):
+                return False
+        values[node] = _mp(node.evalf(15, subs=point))
+    return True
+
+
+def _function_depth(expr) -> int:
+    """Deepest nesting of function calls (sin, log, ...) in ``expr``."""
+    import sympy
+
+    depth = {}
+    for node in sympy.postorder_traversal(expr):
+        depth[node] = max((depth[a] for a in node.args), default=0) + isinstance(node, sympy.Function)
+    return depth[expr]
+
+
 def _parse(code: str):
-    """``parse_expr`` with ``evaluate=False`` in a minimal namespace."""
+    """``parse_expr`` with ``evaluate=False`` in a minimal namespace; None if not tame."""
     import sympy
     from sympy.parsing.sympy_parser import (
         convert_xor,
@@ -472,9 +592,9 @@ def _parse(code: str):
     # except lowercase e (Euler's number) and i (imaginary unit).
     names = {letter: sympy.Symbol(letter) for letter in string.ascii_letters}
     names.update(e=sympy.E, i=sympy.I, pi=sympy.pi, oo=sympy.oo)
-    global_dict = {"__builtins__": {}}
+    global_dict = {"__builtins__": {}, "root": _root}
     for name in ("Integer", "Float", "Rational", "Symbol", "Function", "Add", "Mul", "Pow",
-                 "sqrt", "root", "log", "exp", "sin", "cos", "tan"):
+                 "sqrt", "log", "exp", "sin", "cos", "tan"):
         global_dict[name] = getattr(sympy, name)
     expr = parse_expr(
         code,
@@ -483,9 +603,11 @@ def _parse(code: str):
         transformations=standard_transformations + (implicit_multiplication, convert_xor),
         evaluate=False,
     )
-    if not isinstance(expr, sympy.Expr):
+    if not isinstance(expr, sympy.Expr) or _function_depth(expr) > MAX_FUNCTION_DEPTH:
         return None
-    expr = expr.doit()  # evaluate now that the power guard has passed
+    if not _is_tame(expr, {}):
+        return None
+    expr = expr.doit()  # evaluate now that the power guards have passed
     if expr.has(sympy.nan, sympy.zoo):
         return None
     # Decimal literals -> exact rationals, so 1000001.0 != 10**6 exactly.
@@ -495,6 +617,9 @@ def _parse(code: str):
 # Symbolic bases raised to integer powers above this are compared numerically at
 # random points instead of with simplify(), which would expand them.
 _MAX_SYMBOLIC_POWER = 16
+# Closed forms (and values at sample points) agree if they differ by less than
+# 10**-this times min(1, |value|): relative below 1, absolute above.
+_AGREE_DIGITS = 50
 
 
 def _numbers_close(x, y, rel_tol: float) -> bool:
@@ -503,6 +628,37 @@ def _numbers_close(x, y, rel_tol: float) -> bool:
     if not all(math.isfinite(v) for v in (vx.real, vx.imag, vy.real, vy.imag)):
         return False
     return abs(vx - vy) <= rel_tol * max(abs(vx), abs(vy))
+
+
+def _agree_at(a, b, point: dict) -> bool:
+    """Whether ``a`` and ``b`` are equal at ``point`` (symbols -> Rationals).
+
+    Exactly when both are rational functions; otherwise to within
+    10**-``_AGREE_DIGITS`` times min(1, |value|), evaluated with the precision
+    raised to the magnitude, so that a large leading term cannot swamp the
+    difference (``x^{100}`` vs ``x^{100}+1``). Evaluates only ``_is_tame`` input.
+    """
+    import mpmath
+
+    if not (_is_tame(a, point) and _is_tame(b, point)):
+        return False
+    if a.is_rational_function() and b.is_rational_function():
+        va, vb = a.xreplace(point), b.xreplace(point)
+        if va.is_Rational and vb.is_Rational:
+            return va == vb
+    va, vb = _mp(a.evalf(15, subs=point)), _mp(b.evalf(15, subs=point))
+    if va is None or vb is None or not (mpmath.isfinite(va) and mpmath.isfinite(vb)):
+        return False
+    scale = max(abs(va), abs(vb))
+    digits = _AGREE_DIGITS + 10 + (max(0, int(mpmath.log10(scale)) + 1) if scale else 0)
+    if digits > 2 * MAX_VALUE_DIGITS:
+        return False
+    bits = int(digits * 3.33) + 16
+    va = _mp(a.evalf(digits, subs=point, maxn=2 * digits), bits)
+    vb = _mp(b.evalf(digits, subs=point, maxn=2 * digits), bits)
+    if va is None or vb is None:
+        return False
+    return abs(va - vb) <= min(scale, 1) * mpmath.mpf(10) ** -_AGREE_DIGITS
 
 
 def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
@@ -518,6 +674,9 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         return False
     if ea == eb:
         return True
+    diff = ea - eb  # cheap: like terms cancel ((x+1)^{17}+1 - (x+1)^{17} -> 1)
+    if diff == 0 or diff.is_Rational:
+        return diff == 0
     symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
     big_power = any(
         p.exp.is_Integer and abs(p.exp) > _MAX_SYMBOLIC_POWER and p.base.free_symbols
@@ -529,15 +688,17 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         rng = random.Random(0)
         for _ in range(3):
             point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
-            if not _numbers_close(ea.subs(point), eb.subs(point), rel_tol):
+            if not _agree_at(ea, eb, point):
                 return False
         return True
-    diff = sympy.simplify(ea - eb)
+    diff = sympy.simplify(diff)
     if diff == 0:
         return True
     if diff.is_Rational or diff.has(sympy.nan, sympy.zoo) or symbols:
         return False  # exact non-zero difference, undefined, or symbolic
-    return _numbers_close(ea, eb, rel_tol)
+    if ea.is_Rational or eb.is_Rational:  # a number against a closed form: rel_tol
+        return _numbers_close(ea, eb, rel_tol)
+    return _agree_at(ea, eb, {})  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
 
 
 def _equivalent(a: str, b: str, rel_tol: float) -> bool:
@@ -580,9 +741,13 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
     intervals element-wise (``\\{..\\}`` sets order-insensitively). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length
-    <= ``MAX_PARSE_CHARS``, no huge or nested powers) and compared with
-    ``simplify(a - b) == 0``, then numerically to ``rel_tol`` (only when the
-    difference is not an exact rational). Anything that fails, raises or is
+    <= ``MAX_PARSE_CHARS``, no huge or nested powers, no value, ``exp`` or trig
+    argument beyond 10**``MAX_VALUE_DIGITS``, root indices 2..``MAX_ROOT_INDEX``,
+    functions nested at most ``MAX_FUNCTION_DEPTH`` deep)
+    and compared with ``simplify(a - b) == 0`` (symbolic powers above 16: exactly
+    or to 50 digits at 3 random points instead). A plain number against a closed
+    form is then compared to ``rel_tol`` (``\\pi/2`` == ``1.5707963267948966``);
+    two closed forms must agree to 50 digits. Anything that fails, raises or is
     undefined (``1/0``, nan) gives False.
     """
     try:

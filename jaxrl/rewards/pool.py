@@ -7,7 +7,12 @@ that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
 * the parent hands one item at a time to each idle worker and waits with
   ``multiprocessing.connection.wait``;
 * a worker still busy ``timeout_s`` after its item was dispatched is killed and
-  replaced, and the item scores 0 (a *timeout*);
+  replaced, and the item scores 0 (a *timeout*). Killing is SIGTERM, which
+  raises an exception in the worker so the reward code's ``finally`` blocks
+  run (``code_reward`` kills its sandboxed program and removes its temp dir),
+  then SIGKILL after a short grace;
+* inside a worker, ``item_deadline()`` tells the reward function when its item
+  will be killed, so it can stop in time (``code_reward`` does);
 * an item that raises, returns a non-finite / non-numeric value, or kills its
   worker scores 0 (an *error*); dead workers are replaced;
 * optionally (``batch_timeout_s``), the whole ``score()`` call has a hard
@@ -42,7 +47,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-__all__ = ["RewardPool", "RewardResult"]
+__all__ = ["RewardPool", "RewardResult", "item_deadline"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,18 @@ _READY = "ready"
 _STARTUP_TIMEOUT_S = 60.0
 # Seconds to wait for a terminated worker before escalating to SIGKILL.
 _KILL_GRACE_S = 0.2
+
+# In a worker: time.monotonic() by which the parent kills the item being scored.
+_item_deadline = math.inf
+
+
+def item_deadline() -> float:
+    """``time.monotonic()`` by which ``RewardPool`` kills the item being scored; inf outside a worker.
+
+    Measured from when the worker received the item, so slightly later than the parent's own clock:
+    keep a margin.
+    """
+    return _item_deadline
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -82,37 +99,57 @@ class RewardResult:
         }
 
 
+class _Terminated(BaseException):
+    """Raised in a worker by SIGTERM, so that the reward code unwinds (and cleans up) before it exits."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
+    raise _Terminated
+
+
 def _worker_main(conn, reward_fn: Callable[[str, str], float]) -> None:
-    """Worker loop: recv ``(index, completion, reference)``, send ``(index, ok, value)``.
+    """Worker loop: recv ``(index, completion, reference, budget_s)``, send ``(index, ok, value)``.
 
     ``value`` is the float reward when ``ok`` else a short error string. A
-    ``None`` message (or a closed pipe) ends the loop.
+    ``None`` message (or a closed pipe) ends the loop, and so does SIGTERM,
+    after unwinding the reward function.
     """
+    global _item_deadline
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
-    conn.send(_READY)
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        index, completion, reference = msg
-        try:
-            value = reward_fn(completion, reference)
-            if not isinstance(value, numbers.Real):
-                raise TypeError(f"reward_fn returned {type(value).__name__}, not a number")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"reward_fn returned non-finite {value}")
-            reply = (index, True, value)
-        except BaseException as e:  # noqa: BLE001 - includes SystemExit from reward_fn
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        conn.send(_READY)
+        while True:
             try:
-                reason = f"{type(e).__name__}: {e}"[:500]
-            except BaseException:  # noqa: BLE001 - a broken __str__
-                reason = type(e).__name__
-            reply = (index, False, reason)
-        conn.send(reply)
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg is None:
+                return
+            index, completion, reference, budget_s = msg
+            _item_deadline = time.monotonic() + budget_s
+            try:
+                value = reward_fn(completion, reference)
+                if not isinstance(value, numbers.Real):
+                    raise TypeError(f"reward_fn returned {type(value).__name__}, not a number")
+                value = float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"reward_fn returned non-finite {value}")
+                reply = (index, True, value)
+            except _Terminated:
+                raise
+            except BaseException as e:  # noqa: BLE001 - includes SystemExit from reward_fn
+                try:
+                    reason = f"{type(e).__name__}: {e}"[:500]
+                except BaseException:  # noqa: BLE001 - a broken __str__
+                    reason = type(e).__name__
+                reply = (index, False, reason)
+            finally:
+                _item_deadline = math.inf
+            conn.send(reply)
+    except _Terminated:
+        return
 
 
 def _as_text(x) -> str:
@@ -124,15 +161,15 @@ def _as_text(x) -> str:
     return str(x)
 
 
-def _encode_item(index: int, completion, reference) -> bytes | None:
+def _encode_item(index: int, completion, reference, budget_s: float) -> bytes | None:
     """Pickle one work item; lone surrogates are replaced if they cannot be sent."""
     try:
         item = (index, _as_text(completion), _as_text(reference))
         try:
-            return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps((*item, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001
             clean = [s.encode("utf-8", "replace").decode("utf-8") for s in item[1:]]
-            return pickle.dumps((index, *clean), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps((index, *clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - e.g. a __str__ that raises
         return None
 
@@ -321,7 +358,8 @@ class RewardPool:
             for w in self._workers:
                 while w.ready and w.index is None and pending:
                     i = pending.popleft()
-                    payload = _encode_item(i, completions[i], references[i])
+                    budget_s = min(self.timeout_s, batch_deadline - time.monotonic())
+                    payload = _encode_item(i, completions[i], references[i], budget_s)
                     if payload is None:
                         errors += 1
                         continue

@@ -7,8 +7,14 @@ from a completion, runs it against the tests in ``reference`` (JSON
 * ``{"input": str, "output": str}``: the program reads stdin and its stdout
   must equal ``output`` after normalisation (each line right-stripped, trailing
   blank lines dropped); or
-* ``{"assert": "assert f(2) == 4"}``: the program source followed by the
-  statement is run; the case passes iff it exits with status 0.
+* ``{"assert": "assert f(2) == 4"}``: a small harness runs the program as
+  ``__main__`` and then the statement in its namespace; the case passes iff the
+  statement completes. Exiting with status 0 is not enough: the harness then
+  writes a random per-run nonce to a pipe only it was told about, and the
+  parent requires it (see ``_ASSERT_HARNESS``: ``sys.exit`` and ``SystemExit``
+  fail the case, ``os._exit(0)`` or ``exec`` of another program before the
+  statement ran is ``"early_exit"``). The statement is never written to a file
+  the program can read.
 
 Each test case is one fresh process:
 
@@ -18,7 +24,13 @@ Each test case is one fresh process:
   stdlib only) with the environment scrubbed to
   ``{"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": <tmpdir>}``;
 * ``start_new_session=True``; the whole process group is SIGKILLed when the
-  run ends (normally, on wall timeout, or on too much output);
+  run ends (normally, on wall timeout, or on too much output, or when an
+  exception such as ``RewardPool``'s SIGTERM unwinds the caller);
+* it dies with the caller: the kernel SIGKILLs it when the thread that started
+  it exits (``PR_SET_PDEATHSIG``, Linux), so a worker that ``RewardPool``
+  SIGKILLs takes its sandbox with it; a SIGALRM at the wall limit + 1 s is a
+  further backstop. Sandbox dirs are named after the creating process, and the
+  first run in a process deletes those whose creator is gone;
 * ``preexec_fn`` (in the forked child, before exec) enters new namespaces where
   the OS permits, applies ``resource`` limits (CPU, address space, file size,
   processes, no core files) and, when running as root, drops to uid/gid
@@ -65,7 +77,17 @@ Known gaps (honest list):
 * There is no seccomp filter; the kernel's syscall surface is fully exposed.
 * ``preexec_fn`` runs Python between fork and exec, which is not safe in a
   multi-threaded parent (e.g. one running JAX); call this from single-threaded
-  processes such as ``RewardPool`` workers.
+  processes such as ``RewardPool`` workers. The parent-death signal fires when
+  the calling *thread* exits, so do not call it from a thread that may end
+  before the run does.
+* The assert harness shares its process with the program, so a program that
+  deliberately inspects the harness (frames, ``gc``, ``ctypes``,
+  ``/proc/self/mem``) can find the nonce and forge a pass; the nonce stops
+  every way of *ending* the process early, not such introspection. Nor can any
+  harness stop a program from satisfying an assert dishonestly, e.g. by
+  returning an object whose ``__eq__`` is always true.
+* Orphaned sandbox dirs are found by the creator's pid: a process in another
+  PID namespace sharing the same temp dir could have a live dir deleted.
 """
 
 from __future__ import annotations
@@ -73,9 +95,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
 import resource
+import secrets
 import selectors
 import shutil
 import signal
@@ -84,6 +109,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+
+from jaxrl.rewards.pool import item_deadline
 
 __all__ = [
     "CaseResult",
@@ -95,8 +122,13 @@ __all__ = [
     "run_tests",
 ]
 
+log = logging.getLogger(__name__)
+
 NOBODY = 65534
 _PROGRAM = "prog.py"
+_DIR_PREFIX = "jaxrl_sandbox_"  # + creator pid + "_" + random: see _remove_orphaned_dirs
+# Time code_reward keeps back from RewardPool's deadline to stop its last run, clean up and reply.
+_REPLY_MARGIN_S = 0.2
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _TMPFS_SIZE = "size=16m,mode=1777"
 
@@ -107,6 +139,7 @@ _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +160,10 @@ class CaseResult:
     """One test case.
 
     ``status`` is one of ``"ok"``, ``"wrong_answer"``, ``"runtime_error"``,
-    ``"timeout"`` (wall or CPU limit), ``"memory"``, ``"output_limit"``,
-    ``"file_limit"``, ``"invalid_test"`` or ``"sandbox_error"``.
+    ``"early_exit"`` (an assert test whose program exited with status 0 before
+    the statement completed), ``"timeout"`` (wall or CPU limit), ``"memory"``,
+    ``"output_limit"``, ``"file_limit"``, ``"invalid_test"``, ``"not_run"`` (no
+    time left in ``run_tests``' budget) or ``"sandbox_error"``.
     """
 
     passed: bool
@@ -157,6 +192,55 @@ def extract_code(completion: str) -> str | None:
         return None
     blocks = [m.group(2) for m in _FENCE.finditer(completion) if m.group(1).lower() in _PYTHON_TAGS]
     return blocks[-1] if blocks else None
+
+
+# -- the assert harness ------------------------------------------------------
+
+# ``python -I -S -B -c _ASSERT_HARNESS CASE_FD MARKER_FD`` in the sandbox dir. CASE_FD is an unlinked
+# file holding "<nonce>\n<assert statement>"; the harness reads and closes it before the program runs,
+# so neither is on disk, in argv or in the environment. The program runs as the script ``prog.py``
+# (``__main__``, absolute ``__file__``, ``sys.argv == ["prog.py"]``), then the statement runs in its
+# namespace, with tracing reset so a trace function cannot jump over it. Only then is the nonce
+# written to MARKER_FD, and the parent counts the case as passed only if exactly that nonce arrives.
+# An exception, ``SystemExit`` included, exits with status 1 (skipping ``atexit`` handlers); ending
+# the process some other way (``os._exit``, ``exec``, a signal) leaves the marker unwritten. Writing
+# junk to MARKER_FD only spoils the marker. Everything used after the program runs is bound first,
+# so patching ``builtins``, ``sys`` or ``os`` cannot redirect it. Residual risk: the nonce is in this
+# process's memory (a local of ``run_case``), so a program that deliberately digs it out (its
+# caller's frame, ``gc``, ``ctypes``) can forge a pass; see the module docstring.
+_ASSERT_HARNESS = r"""
+import os, sys
+
+
+def run_case(case_fd, marker_fd):
+    write, exit_now, run, report = os.write, os._exit, exec, sys.__excepthook__
+    settrace, setprofile = sys.settrace, sys.setprofile
+    with os.fdopen(case_fd, "rb") as f:
+        nonce, _, test = f.read().partition(b"\n")
+    try:
+        path = os.path.abspath("prog.py")
+        with open(path, "rb") as f:
+            program = compile(f.read(), path, "exec", dont_inherit=True)
+        check = compile(test, "<test>", "exec", dont_inherit=True)
+        main = type(sys)("__main__")
+        main.__file__, main.__builtins__ = path, __builtins__
+        sys.modules["__main__"], sys.argv = main, ["prog.py"]
+        run(program, main.__dict__)
+        settrace(None)
+        setprofile(None)
+        run(check, main.__dict__)
+    except BaseException as e:  # SystemExit too: only completing the statement passes
+        try:
+            report(type(e), e, e.__traceback__)
+        except BaseException:
+            pass
+        exit_now(1)
+    write(marker_fd, nonce)
+    exit_now(0)
+
+
+run_case(int(sys.argv[1]), int(sys.argv[2]))
+"""
 
 
 # -- the child side (runs between fork and exec) -----------------------------
@@ -205,13 +289,41 @@ def _hidden_ancestor(path: str) -> str | None:
     return None
 
 
-def _wait_and_mirror(pid: int, reap_all: bool) -> None:
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that forked it exits (Linux; else a no-op).
+
+    fork() and a change of uid clear the setting, so each process arms its own, after any uid change.
+    The parent may be gone already: callers check that afterwards.
+    """
+    libc = _load_libc()
+    args = (ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if libc is not None and libc.prctl(_PR_SET_PDEATHSIG, *args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def _at_eof(fd: int) -> bool:
+    """Whether reading the pipe ``fd`` gives EOF now (every write end is closed)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 1) == b""
+    except BlockingIOError:
+        return False
+
+
+def _wait_and_mirror(pid: int, reap_all: bool, keep_fd: int | None = None) -> None:
     """Wait for ``pid`` (reaping any other children too) and exit with its status. Never returns.
 
-    A child killed by signal ``s`` is reported as exit code ``128 + s``.
+    A child killed by signal ``s`` is reported as exit code ``128 + s``. All fds >= 3 but ``keep_fd``
+    are closed first.
     """
     try:
-        os.closerange(3, 1 << 16)  # drop subprocess's error pipe etc. so Popen does not wait on us
+        # Drop subprocess's error pipe etc. so Popen does not wait on us.
+        if keep_fd is None:
+            os.closerange(3, 1 << 16)
+        else:
+            os.closerange(3, keep_fd)
+            os.closerange(keep_fd + 1, 1 << 16)
         while True:
             wpid, status = os.waitpid(-1 if reap_all else pid, 0)
             if wpid == pid:
@@ -239,10 +351,13 @@ class _ChildSetup:
     the new namespace, reaps orphans) which waits for H, the process that
     returns to subprocess and execs the program. Killing P's process group
     kills G, and the kernel then kills everything left in the namespace.
+    P dies with the calling thread and G with P (parent-death signals); without
+    a PID namespace P is H, which re-arms its signal after dropping privileges.
     """
 
     def __init__(self, limits: SandboxLimits, tmpdir: str, report_fd: int):
         self.limits, self.tmpdir, self.report_fd = limits, tmpdir, report_fd
+        self.parent_pid = os.getpid()  # built in the parent, called in the child
         self.is_root = os.geteuid() == 0
         # An interpreter under a dir "nobody" cannot enter (e.g. pyenv in /root, 0700).
         self.prefix = os.path.realpath(sys.base_prefix)
@@ -255,10 +370,17 @@ class _ChildSetup:
             if self.limits.isolate_network:
                 wanted["net"] = _CLONE_NEWNET
             got = {name for name, flag in wanted.items() if _unshare(flag)}
+        self._die_with_caller()
         if "pid" in got:
+            lifeline_r, lifeline_w = os.pipe()  # EOF for G once P is gone
             pid = os.fork()
             if pid:
-                _wait_and_mirror(pid, reap_all=False)  # P
+                _wait_and_mirror(pid, reap_all=False, keep_fd=lifeline_w)  # P
+            os.close(lifeline_w)
+            _die_with_parent()
+            if _at_eof(lifeline_r):  # P died before G armed its signal
+                os._exit(125)
+            os.close(lifeline_r)
             pid = os.fork()
             if pid:
                 _wait_and_mirror(pid, reap_all=True)  # G, pid 1 in the namespace
@@ -279,8 +401,18 @@ class _ChildSetup:
             os.setuid(NOBODY)
             if os.getuid() != NOBODY or os.geteuid() != NOBODY:  # never run untrusted code as root
                 raise RuntimeError("failed to drop privileges")
+        if "pid" not in got:
+            self._die_with_caller()  # P is H: the uid change cleared the signal
+        # Backstop should the death signal be unavailable; inherited through exec, the parent kills first.
+        signal.alarm(math.ceil(self.limits.wall_time_s) + 1)
         os.write(self.report_fd, " ".join(sorted(got)).encode() + b"\n")
         os.close(self.report_fd)
+
+    def _die_with_caller(self) -> None:
+        """P: die with the thread that called Popen; exit if it is already gone."""
+        _die_with_parent()
+        if os.getppid() != self.parent_pid:
+            os._exit(125)
 
     def _enter_user_namespace(self) -> bool:
         """Non-root: a user namespace where we are root, so other namespaces are permitted."""
@@ -400,11 +532,54 @@ def _classify(returncode: int, stderr: str) -> str:
     return "runtime_error"
 
 
-def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
+_swept = False  # whether this process has looked for orphaned sandbox dirs
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_orphaned_dirs() -> None:
+    """Delete sandbox dirs whose creating process is gone (e.g. a worker SIGKILLed by ``RewardPool``).
+
+    A dir's name holds its creator's pid; should the pid have been reused, the dir is only kept longer.
+    """
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(rf"{_DIR_PREFIX}(\d+)_[a-z0-9_]+", name)
+        if m and not _pid_exists(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), onerror=_force_remove)
+
+
+def _read_marker(fd: int) -> bytes:
+    """What the assert harness wrote to its marker pipe (non-blocking: a stray writer may hold it open)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None = None) -> _Run:
+    """Run ``prog.py`` once on ``stdin``, or, given ``assert_test``, through the assert harness."""
+    global _swept
+    if not _swept:
+        _swept = True
+        _remove_orphaned_dirs()
     start = time.monotonic()
     _load_libc()
-    tmpdir = tempfile.mkdtemp(prefix="jaxrl_sandbox_")
-    report_r = report_w = None
+    tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}_")
+    report_r = report_w = marker_r = marker_w = case_file = None
     try:
         with open(os.path.join(tmpdir, _PROGRAM), "w", encoding="utf-8") as f:
             f.write(code)
@@ -415,10 +590,20 @@ def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
             for path in (tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))):
                 os.chown(path, NOBODY, NOBODY)
         report_r, report_w = os.pipe()
+        argv, pass_fds = [_base_interpreter(), "-I", "-S", "-B", _PROGRAM], [report_w]
+        if assert_test is not None:
+            nonce = secrets.token_hex(16).encode()
+            case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
+            case_file.write(nonce + b"\n" + assert_test.encode("utf-8"))
+            case_file.flush()
+            case_file.seek(0)
+            marker_r, marker_w = os.pipe()
+            argv[-1:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
+            pass_fds += [case_file.fileno(), marker_w]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
             proc = subprocess.Popen(
-                [_base_interpreter(), "-I", "-S", "-B", _PROGRAM],
+                argv,
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -426,10 +611,15 @@ def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
                 env=env,
                 start_new_session=True,
                 preexec_fn=_ChildSetup(limits, tmpdir, report_w),
-                pass_fds=(report_w,),
+                pass_fds=pass_fds,
             )
-        os.close(report_w)
-        report_w = None
+        # Only the child keeps these: the case file then vanishes once the harness has read it.
+        for fd in (report_w, marker_w):
+            if fd is not None:
+                os.close(fd)
+        report_w = marker_w = None
+        if case_file is not None:
+            case_file.close()
         try:
             outcome, (out, err) = _read_bounded(
                 proc, start + limits.wall_time_s, limits.max_output_bytes
@@ -445,13 +635,17 @@ def _run(code: str, stdin: str, limits: SandboxLimits) -> _Run:
             proc.stderr.close()
         report = os.read(report_r, 256).decode().split()
         status = outcome or _classify(proc.returncode, err)
+        if status == "ok" and assert_test is not None and _read_marker(marker_r) != nonce:
+            status = "early_exit"
         return _Run(status, out, err, time.monotonic() - start, "net" in report)
     except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. preexec_fn failed
         return _Run("sandbox_error", "", f"{type(e).__name__}: {e}", time.monotonic() - start, False)
     finally:
-        for fd in (report_r, report_w):
+        for fd in (report_r, report_w, marker_r, marker_w):
             if fd is not None:
                 os.close(fd)
+        if case_file is not None:
+            case_file.close()
         shutil.rmtree(tmpdir, onerror=_force_remove)
 
 
@@ -484,38 +678,78 @@ def _normalise(text: str) -> list[str]:
 
 
 def run_tests(
-    code: str, tests: Sequence[dict], limits: SandboxLimits = SandboxLimits()
+    code: str,
+    tests: Sequence[dict],
+    limits: SandboxLimits = SandboxLimits(),
+    budget_s: float | None = None,
 ) -> CodeResult:
-    """Run every test case (see the module docstring); pass_fraction is 0.0 for no tests."""
+    """Run every test case (see the module docstring); pass_fraction is 0.0 for no tests.
+
+    ``budget_s`` bounds the wall time of all runs together: each run's ``wall_time_s`` is cut to the
+    time left, and cases with no time left are not run (status ``"not_run"``).
+    """
+    end = math.inf if budget_s is None else time.monotonic() + budget_s
     cases, isolated = [], []
     for test in tests:
-        if isinstance(test, dict) and isinstance(test.get("assert"), str):
-            r = _run(f"{code}\n\n{test['assert']}\n", "", limits)
-            passed, status = r.status == "ok", r.status
-        elif (
-            isinstance(test, dict)
+        is_assert = isinstance(test, dict) and isinstance(test.get("assert"), str)
+        is_io = (
+            not is_assert
+            and isinstance(test, dict)
             and isinstance(test.get("input"), str)
             and isinstance(test.get("output"), str)
-        ):
-            r = _run(code, test["input"], limits)
-            passed = r.status == "ok" and _normalise(r.stdout) == _normalise(test["output"])
-            status = "wrong_answer" if r.status == "ok" and not passed else r.status
-        else:
+        )
+        if not (is_assert or is_io):
             cases.append(CaseResult(False, "invalid_test", 0.0))
             continue
+        left = end - time.monotonic()
+        if left <= 0:
+            cases.append(CaseResult(False, "not_run", 0.0))
+            continue
+        if left < limits.wall_time_s:
+            run_limits = dataclasses.replace(limits, wall_time_s=left)
+        else:
+            run_limits = limits
+        if is_assert:
+            r = _run(code, "", run_limits, assert_test=test["assert"])
+            passed, status = r.status == "ok", r.status
+        else:
+            r = _run(code, test["input"], run_limits)
+            passed = r.status == "ok" and _normalise(r.stdout) == _normalise(test["output"])
+            status = "wrong_answer" if r.status == "ok" and not passed else r.status
         cases.append(CaseResult(passed, status, r.seconds))
         isolated.append(r.network_isolated)
     fraction = sum(c.passed for c in cases) / len(cases) if cases else 0.0
     return CodeResult(fraction, tuple(cases), bool(isolated) and all(isolated))
 
 
+_budget_warned = False  # whether code_reward has warned about running out of time in this process
+
+
 def code_reward(completion: str, reference: str) -> float:
-    """Pass fraction of the completion's last Python block on ``reference``'s tests; 0.0 on any problem."""
+    """Pass fraction of the completion's last Python block on ``reference``'s tests; 0.0 on any problem.
+
+    In a ``RewardPool`` worker the runs share the time left before the pool kills the item (less
+    ``_REPLY_MARGIN_S``), so a slow program scores its finished cases instead of being killed; cases
+    left without time score 0, and the first time that happens in a process a warning is logged.
+    """
+    global _budget_warned
     try:
         tests = json.loads(reference)["tests"]
         code = extract_code(completion)
         if code is None or not isinstance(tests, list):
             return 0.0
-        return float(run_tests(code, tests).pass_fraction)
+        deadline = item_deadline()
+        budget = None if deadline == math.inf else deadline - time.monotonic() - _REPLY_MARGIN_S
+        result = run_tests(code, tests, budget_s=budget)
+        not_run = sum(c.status == "not_run" for c in result.cases)
+        if not_run and not _budget_warned:
+            _budget_warned = True
+            log.warning(
+                "code_reward ran out of time: %d of %d test cases were not run and score 0. Each case "
+                "may take up to SandboxLimits.wall_time_s (%.1f s); raise the RewardPool's timeout_s "
+                "(reward.timeout_s) to fit them. (Logged once per process.)",
+                not_run, len(result.cases), SandboxLimits().wall_time_s,
+            )
+        return float(result.pass_fraction)
     except Exception:  # noqa: BLE001 - a reward must never raise
         return 0.0
