@@ -195,11 +195,16 @@ def _apply_override(tree: _Section, item: str) -> None:
     key, sep, text = item.partition("=")
     keys = [k.strip() for k in key.split(".")]
     if not sep or not all(keys):
-        raise ConfigError(f"{where}: expected the form key=value, e.g. optim.learning_rate=3e-4")
+        raise ConfigError(f"{where}: expected the form key=value, e.g. rl.optim.learning_rate=3e-4")
     try:
         value = yaml.load(text, Loader=_Loader)
+        node = yaml.compose(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}") from None
+    dropped = text[node.end_mark.index if node is not None else 0:].strip()
+    if dropped:  # YAML reads `#` at the start or after a space as a comment: it would vanish silently
+        raise ConfigError(f"{where}: YAML reads {dropped!r} as a comment and would drop it; quote the value, "
+                          f"e.g. \"{key}='{text}'\" in the shell")
     if isinstance(value, str):
         value = _PlainStr(value)  # any override string may be read as a float
     _set(tree, keys, _entry(value, where))

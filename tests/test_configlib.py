@@ -308,6 +308,18 @@ def test_override_malformed():
     raises(lambda: load_config(Root, None, ["seed=[1"]), "override 'seed=[1'", "cannot parse")
 
 
+def test_override_with_a_yaml_comment_is_an_error_not_a_silent_cut():
+    """`#` at the start of a value or after a space begins a YAML comment: `key=#### (.+)$` would give None
+    and `key=after #### x` would give 'after'. Quoted, or with `#` inside a word, the value is kept."""
+    raises(lambda: load_config(Root, None, ["model.name=#### (.+)$"]),
+           "override 'model.name=#### (.+)$': YAML reads '#### (.+)$' as a comment", "quote the value")
+    raises(lambda: load_config(Root, None, ["model.name=big # the large one"]),
+           "YAML reads '# the large one' as a comment")
+    assert load_config(Root, None, ["model.name='#### (.+)$'"]).model.name == "#### (.+)$"
+    assert load_config(Root, None, ["model.name=C#"]).model.name == "C#"
+    assert load_config(Root, None, ["model.dropout="]).model.dropout is None
+
+
 def test_override_wrong_types():
     raises(lambda: load_config(Root, None, ["optim=3"]),
            "override 'optim=3': optim: expected a mapping of Optim fields, got 3 (int)")
