@@ -33,6 +33,10 @@ class ArithmeticTaskConfig:
             raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
         if self.max_start > self.max_value:
             raise ValueError(f"max_start ({self.max_start}) > max_value ({self.max_value})")
+        if 2 * self.max_operand > self.max_value + 1:  # else a total near max_value / 2 fits neither way
+            raise ValueError(f"max_operand ({self.max_operand}) > (max_value + 1) / 2 ({(self.max_value + 1) / 2:g}): "
+                             f"a running total near max_value / 2 could neither add nor subtract it and stay in "
+                             f"[0, max_value]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +95,12 @@ def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem],
     """Disjoint `(train, held_out)` problem lists (no held-out prompt appears in train), deterministic."""
     rng = np.random.default_rng([seed, 1])
     held_out: dict[str, Problem] = {}
+    attempts = 0
     while len(held_out) < config.num_eval:
+        attempts += 1
+        if attempts > 50 * config.num_eval:
+            raise ValueError(f"the task has too few distinct problems for num_eval={config.num_eval} "
+                             f"(found {len(held_out)} in {attempts - 1} draws)")
         p = random_problem(rng, config)
         held_out.setdefault(p.prompt, p)
     train: dict[str, Problem] = {}
@@ -99,7 +108,8 @@ def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem],
     while len(train) < config.num_train:
         attempts += 1
         if attempts > 50 * config.num_train:
-            raise ValueError(f"the task has too few distinct problems for num_train={config.num_train}")
+            raise ValueError(f"the task has too few distinct problems for num_train={config.num_train} "
+                             f"(found {len(train)} in {attempts - 1} draws, besides the {len(held_out)} held out)")
         p = random_problem(rng, config)
         if p.prompt not in held_out:
             train.setdefault(p.prompt, p)
