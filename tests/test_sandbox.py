@@ -309,10 +309,12 @@ UNPASSABLE = [{"assert": "assert f(2) == 4"}, {"assert": "assert False"}, {"inpu
 def test_exiting_early_does_not_pass_assert_tests(code):
     result = run_tests(code, UNPASSABLE, FAST)
     assert result.pass_fraction == 0.0, result
-    assert code_reward(_completion(code), _reference(UNPASSABLE)) == 0.0
 
 
 def test_early_exit_status():
+    # code_reward goes through run_tests; one hack end to end (each sandbox run forks the test process,
+    # which inside the full suite holds JAX: about 1 s a run there, against 0.1 s alone)
+    assert code_reward(_completion(EXIT_HACKS["sys.exit"]), _reference(UNPASSABLE)) == 0.0
     result = run_tests("import sys\nsys.exit(0)\n", [{"assert": "pass"}], FAST)
     assert [c.status for c in result.cases] == ["runtime_error"]  # SystemExit is caught by the harness
     result = run_tests("import os\nos._exit(0)\n", [{"assert": "pass"}], FAST)
