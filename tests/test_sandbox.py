@@ -8,6 +8,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -252,13 +254,75 @@ def test_network_is_isolated():
 def test_degrades_without_namespaces(monkeypatch):
     import jaxrl.rewards.sandbox as sandbox
 
-    monkeypatch.setattr(sandbox, "_unshare", lambda flags: False)  # as if unshare(2) were denied
+    monkeypatch.setattr(sandbox, "_namespaces_to_enter", lambda limits: [])  # as if unshare(2) were denied
     result = run_tests(SQUARE, TESTS[:1], FAST)
     assert not result.network_isolated
     # Runs unisolated, unless the interpreter is hidden from "nobody" (pyenv under /root) and
     # no mount namespace can expose it: then the sandbox refuses to run (never as root).
     assert result.cases[0].status in ("ok", "sandbox_error")
     assert code_reward(_completion(SQUARE), _reference(TESTS[:1])) in (0.0, 1.0)
+
+
+def test_the_caller_is_never_forked():
+    """The launcher confines itself: no Python runs between fork and exec in a (multi-threaded) caller."""
+    script = (
+        "import os, threading, time\n"
+        "forks = []\n"
+        "os.register_at_fork(before=lambda: forks.append(1))\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # as JAX's threads would be\n"
+        "from jaxrl.rewards.sandbox import run_program, run_tests\n"
+        "assert run_program('print(6 * 7)', '')[:2] == ('ok', '42\\n')\n"
+        "assert run_tests('def f(x): return x', [{'assert': 'assert f(1) == 1'}]).pass_fraction == 1.0\n"
+        "print(len(forks))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", "the sandbox forked its caller (preexec_fn or os.fork)"
+
+
+def test_launcher_failure_is_a_sandbox_error(monkeypatch):
+    monkeypatch.setattr(sandbox, "_namespaces_to_enter", lambda limits: ["mnt", "no_such_namespace"])
+    status, out, err = run_program("print(1)", "", FAST)
+    assert (status, out) == ("sandbox_error", "")
+    assert "unknown namespaces ['no_such_namespace']" in err
+    assert run_tests(SQUARE, TESTS, FAST).cases[0].status == "sandbox_error"
+
+
+@pytest.mark.parametrize(
+    "report, expected",
+    [
+        (b"ok mnt net pid\n", (None, {"mnt", "net", "pid"})),
+        (b"ok\n", (None, set())),
+        (b"ok mnt\nerror FileNotFoundError: no python\n", ("FileNotFoundError: no python", set())),
+        (b"error RuntimeError: failed to drop privileges\n", ("RuntimeError: failed to drop privileges", set())),
+        (b"", ("the sandbox launcher ended before confining the program", set())),
+    ],
+)
+def test_launcher_report(report, expected):
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, report)
+        os.close(write_fd)
+        assert sandbox._read_report(read_fd) == expected
+    finally:
+        os.close(read_fd)
+
+
+def test_launcher_arguments_are_checked():
+    from jaxrl.rewards import sandbox_child
+
+    argv = sandbox._launcher_argv("python", FAST, "/tmp/x=y", 5)
+    assert argv[:5] == ["python", "-I", "-S", "-B", sandbox._LAUNCHER] and argv[-1] == "--"
+    spec, program = sandbox_child.parse_args(argv[5:] + ["prog", "arg"])
+    assert program == ["prog", "arg"]
+    assert spec["tmpdir"] == "/tmp/x=y" and spec["namespaces"] == "mnt,pid,net"
+    assert float(spec["wall_time_s"]) == FAST.wall_time_s
+    with pytest.raises(ValueError, match="missing settings"):
+        sandbox_child.parse_args(argv[6:] + ["prog"])  # no wall_time_s
+    with pytest.raises(ValueError, match="missing settings"):
+        sandbox_child.parse_args(argv[5:])  # no program
 
 
 def test_huge_output_is_capped():

@@ -31,10 +31,14 @@ Each test case is one fresh process:
   SIGKILLs takes its sandbox with it; a SIGALRM at the wall limit + 1 s is a
   further backstop. Sandbox dirs are named after the creating process, and the
   first run in a process deletes those whose creator is gone;
-* ``preexec_fn`` (in the forked child, before exec) enters new namespaces where
-  the OS permits, applies ``resource`` limits (CPU, address space, file size,
-  processes, no core files) and, when running as root, drops to uid/gid
-  65534 ("nobody") and chowns the tmpdir to it;
+* the process starts as a small launcher (``sandbox_child.py``, run by the
+  base interpreter) which enters new namespaces where the OS permits, applies
+  ``resource`` limits (CPU, address space, file size, processes, no core
+  files) and, when running as root, drops to uid/gid 65534 ("nobody"; the
+  tmpdir is chowned to it), then execs the program. Nothing runs between fork
+  and exec in the caller (no ``preexec_fn``), so any process may call this,
+  including a multi-threaded one holding JAX and gigabytes of arrays: the
+  cost of a run does not grow with the caller's memory;
 * stdout/stderr are read with ``select`` and at most ``max_output_bytes`` each
   is kept; going over the cap kills the program (status ``"output_limit"``).
 
@@ -75,11 +79,8 @@ Known gaps (honest list):
 * All concurrent sandboxes share uid 65534, so RLIMIT_NPROC is shared: a fork
   bomb in one run can make a concurrent run fail to start (it scores 0).
 * There is no seccomp filter; the kernel's syscall surface is fully exposed.
-* ``preexec_fn`` runs Python between fork and exec, which is not safe in a
-  multi-threaded parent (e.g. one running JAX); call this from single-threaded
-  processes such as ``RewardPool`` workers. The parent-death signal fires when
-  the calling *thread* exits, so do not call it from a thread that may end
-  before the run does.
+* The parent-death signal fires when the calling *thread* exits, so do not
+  call this from a thread that may end before the run does.
 * The assert harness shares its process with the program, so a program that
   deliberately inspects the harness (frames, ``gc``, ``ctypes``,
   ``/proc/self/mem``) can find the nonce and forge a pass; the nonce stops
@@ -92,14 +93,12 @@ Known gaps (honest list):
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
 import math
 import os
 import re
-import resource
 import secrets
 import selectors
 import shutil
@@ -111,6 +110,7 @@ import time
 from collections.abc import Sequence
 
 from jaxrl.rewards.pool import item_deadline
+from jaxrl.rewards.sandbox_child import NOBODY
 
 __all__ = [
     "CaseResult",
@@ -124,22 +124,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NOBODY = 65534
 _PROGRAM = "prog.py"
+_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 _DIR_PREFIX = "jaxrl_sandbox_"  # + creator pid + "_" + random: see _remove_orphaned_dirs
 # Time code_reward keeps back from RewardPool's deadline to stop its last run, clean up and reply.
 _REPLY_MARGIN_S = 0.2
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-_TMPFS_SIZE = "size=16m,mode=1777"
-
-# <sched.h> / <sys/mount.h>
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWPID = 0x20000000
-_CLONE_NEWNET = 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
-_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,94 +232,7 @@ run_case(int(sys.argv[1]), int(sys.argv[2]))
 """
 
 
-# -- the child side (runs between fork and exec) -----------------------------
-
-_libc = None
-
-
-def _load_libc():
-    """libc via ctypes, loaded in the parent so the child does not dlopen after fork."""
-    global _libc
-    if _libc is None and sys.platform.startswith("linux"):
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mount.argtypes = [
-                ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p
-            ]
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc or None
-
-
-def _unshare(flags: int) -> bool:
-    libc = _load_libc()
-    return libc is not None and libc.unshare(flags) == 0
-
-
-def _mount(source, target, fstype, flags, data=None) -> None:
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _hidden_ancestor(path: str) -> str | None:
-    """The outermost directory on ``path`` that others may not search (no o+x), or None."""
-    parts = path.split(os.sep)
-    for i in range(2, len(parts) + 1):
-        d = os.sep.join(parts[:i])
-        if not os.stat(d).st_mode & 0o001:
-            return d
-    return None
-
-
-def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the thread that forked it exits (Linux; else a no-op).
-
-    fork() and a change of uid clear the setting, so each process arms its own, after any uid change.
-    The parent may be gone already: callers check that afterwards.
-    """
-    libc = _load_libc()
-    args = (ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if libc is not None and libc.prctl(_PR_SET_PDEATHSIG, *args) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-
-
-def _at_eof(fd: int) -> bool:
-    """Whether reading the pipe ``fd`` gives EOF now (every write end is closed)."""
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, 1) == b""
-    except BlockingIOError:
-        return False
-
-
-def _wait_and_mirror(pid: int, reap_all: bool, keep_fd: int | None = None) -> None:
-    """Wait for ``pid`` (reaping any other children too) and exit with its status. Never returns.
-
-    A child killed by signal ``s`` is reported as exit code ``128 + s``. All fds >= 3 but ``keep_fd``
-    are closed first.
-    """
-    try:
-        # Drop subprocess's error pipe etc. so Popen does not wait on us.
-        if keep_fd is None:
-            os.closerange(3, 1 << 16)
-        else:
-            os.closerange(3, keep_fd)
-            os.closerange(keep_fd + 1, 1 << 16)
-        while True:
-            wpid, status = os.waitpid(-1 if reap_all else pid, 0)
-            if wpid == pid:
-                code = os.waitstatus_to_exitcode(status)
-                os._exit(128 - code if code < 0 else code)
-    finally:
-        os._exit(125)
+# -- the parent side ---------------------------------------------------------
 
 
 def _base_interpreter() -> str:
@@ -344,125 +246,37 @@ def _base_interpreter() -> str:
     return candidate if os.access(candidate, os.X_OK) else os.path.realpath(sys.executable)
 
 
-class _ChildSetup:
-    """``preexec_fn``: namespaces, mounts, rlimits, privilege drop; reports what it got on a pipe.
-
-    Process tree with a PID namespace: the Popen child P waits for G (pid 1 of
-    the new namespace, reaps orphans) which waits for H, the process that
-    returns to subprocess and execs the program. Killing P's process group
-    kills G, and the kernel then kills everything left in the namespace.
-    P dies with the calling thread and G with P (parent-death signals); without
-    a PID namespace P is H, which re-arms its signal after dropping privileges.
-    """
-
-    def __init__(self, limits: SandboxLimits, tmpdir: str, report_fd: int):
-        self.limits, self.tmpdir, self.report_fd = limits, tmpdir, report_fd
-        self.parent_pid = os.getpid()  # built in the parent, called in the child
-        self.is_root = os.geteuid() == 0
-        # An interpreter under a dir "nobody" cannot enter (e.g. pyenv in /root, 0700).
-        self.prefix = os.path.realpath(sys.base_prefix)
-        self.hidden = _hidden_ancestor(self.prefix) if self.is_root else None
-
-    def __call__(self) -> None:
-        got = set()
-        if self.is_root or self._enter_user_namespace():
-            wanted = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID}
-            if self.limits.isolate_network:
-                wanted["net"] = _CLONE_NEWNET
-            got = {name for name, flag in wanted.items() if _unshare(flag)}
-        self._die_with_caller()
-        if "pid" in got:
-            lifeline_r, lifeline_w = os.pipe()  # EOF for G once P is gone
-            pid = os.fork()
-            if pid:
-                _wait_and_mirror(pid, reap_all=False, keep_fd=lifeline_w)  # P
-            os.close(lifeline_w)
-            _die_with_parent()
-            if _at_eof(lifeline_r):  # P died before G armed its signal
-                os._exit(125)
-            os.close(lifeline_r)
-            pid = os.fork()
-            if pid:
-                _wait_and_mirror(pid, reap_all=True)  # G, pid 1 in the namespace
-        if "mnt" in got:  # H from here on
-            try:
-                self._mount_private_dirs(fresh_proc="pid" in got)
-            except OSError:
-                got.discard("mnt")
-        if self.hidden and "mnt" not in got:
-            raise RuntimeError(
-                f"the interpreter under {self.hidden} is not accessible to uid {NOBODY} and no "
-                "mount namespace is available to expose it; use a world-readable Python"
-            )
-        self._set_rlimits()
-        if self.is_root:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            if os.getuid() != NOBODY or os.geteuid() != NOBODY:  # never run untrusted code as root
-                raise RuntimeError("failed to drop privileges")
-        if "pid" not in got:
-            self._die_with_caller()  # P is H: the uid change cleared the signal
-        # Backstop should the death signal be unavailable; inherited through exec, the parent kills first.
-        signal.alarm(math.ceil(self.limits.wall_time_s) + 1)
-        os.write(self.report_fd, " ".join(sorted(got)).encode() + b"\n")
-        os.close(self.report_fd)
-
-    def _die_with_caller(self) -> None:
-        """P: die with the thread that called Popen; exit if it is already gone."""
-        _die_with_parent()
-        if os.getppid() != self.parent_pid:
-            os._exit(125)
-
-    def _enter_user_namespace(self) -> bool:
-        """Non-root: a user namespace where we are root, so other namespaces are permitted."""
-        uid, gid = os.getuid(), os.getgid()
-        if not _unshare(_CLONE_NEWUSER):
-            return False
-        try:
-            _write("/proc/self/setgroups", "deny")
-            _write("/proc/self/uid_map", f"0 {uid} 1")
-            _write("/proc/self/gid_map", f"0 {gid} 1")
-        except OSError:
-            pass  # unmapped: unsharing may still work, mounts will likely fail (handled)
-        return True
-
-    def _mount_private_dirs(self, fresh_proc: bool) -> None:
-        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-        if self.hidden:  # tmpfs over e.g. /root (hiding its contents), then bind the prefix back
-            fd = os.open(self.prefix, os.O_PATH | os.O_DIRECTORY)
-            try:
-                _mount("tmpfs", self.hidden, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
-                os.makedirs(self.prefix, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", self.prefix, None, _MS_BIND | _MS_REC)
-            finally:
-                os.close(fd)
-        for d in _WORLD_WRITABLE:
-            if os.path.isdir(d) and not os.path.islink(d):
-                _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
-        # cwd still refers to the real sandbox dir, which a tmpfs may now hide: bind it back.
-        os.makedirs(self.tmpdir, exist_ok=True)
-        _mount(".", self.tmpdir, None, _MS_BIND)
-        os.chdir(self.tmpdir)
-        if fresh_proc:
-            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-
-    def _set_rlimits(self) -> None:
-        lim = self.limits
-        cpu = max(1, int(lim.cpu_time_s + 0.999))
-        mb = 1024 * 1024
-        for res, value in (
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-            (resource.RLIMIT_AS, (lim.memory_mb * mb,) * 2),
-            (resource.RLIMIT_FSIZE, (lim.file_size_mb * mb,) * 2),
-            (resource.RLIMIT_NPROC, (lim.max_processes,) * 2),
-            (resource.RLIMIT_CORE, (0, 0)),
-            (resource.RLIMIT_NOFILE, (256, 256)),
-        ):
-            resource.setrlimit(res, value)
+def _namespaces_to_enter(limits: SandboxLimits) -> list[str]:
+    """The namespaces the launcher asks for; those the OS refuses are done without (see the docstring)."""
+    return ["mnt", "pid", "net"] if limits.isolate_network else ["mnt", "pid"]
 
 
-# -- the parent side ---------------------------------------------------------
+def _launcher_argv(interpreter: str, limits: SandboxLimits, tmpdir: str, report_fd: int) -> list[str]:
+    """``sandbox_child.py``'s command line, up to and including ``--`` (the program's argv follows)."""
+    spec = {
+        "wall_time_s": limits.wall_time_s,
+        "cpu_time_s": limits.cpu_time_s,
+        "memory_mb": limits.memory_mb,
+        "file_size_mb": limits.file_size_mb,
+        "max_processes": limits.max_processes,
+        "namespaces": ",".join(_namespaces_to_enter(limits)),
+        "tmpdir": tmpdir,
+        "report_fd": report_fd,
+        "parent_pid": os.getpid(),
+    }
+    return [interpreter, "-I", "-S", "-B", _LAUNCHER, *(f"{k}={v}" for k, v in spec.items()), "--"]
+
+
+def _read_report(fd: int) -> tuple[str | None, set[str]]:
+    """The launcher's report: (error message or None, namespaces entered). See ``sandbox_child``."""
+    first, _, rest = _read_now(fd).decode("utf-8", "replace").partition("\n")
+    if first.startswith("ok"):
+        if rest.startswith("error "):  # the exec failed
+            return rest.strip()[len("error "):], set()
+        return None, set(first.split()[1:])
+    if first.startswith("error "):
+        return first[len("error "):], set()
+    return "the sandbox launcher ended before confining the program", set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,8 +375,8 @@ def _remove_orphaned_dirs() -> None:
             shutil.rmtree(os.path.join(root, name), onerror=_force_remove)
 
 
-def _read_marker(fd: int) -> bytes:
-    """What the assert harness wrote to its marker pipe (non-blocking: a stray writer may hold it open)."""
+def _read_now(fd: int) -> bytes:
+    """What is in the pipe ``fd`` now (non-blocking: a stray writer may hold it open)."""
     os.set_blocking(fd, False)
     try:
         return os.read(fd, 4096)
@@ -577,7 +391,6 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
         _swept = True
         _remove_orphaned_dirs()
     start = time.monotonic()
-    _load_libc()
     tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}_")
     report_r = report_w = marker_r = marker_w = case_file = None
     try:
@@ -590,7 +403,8 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
             for path in (tmpdir, *(os.path.join(tmpdir, n) for n in os.listdir(tmpdir))):
                 os.chown(path, NOBODY, NOBODY)
         report_r, report_w = os.pipe()
-        argv, pass_fds = [_base_interpreter(), "-I", "-S", "-B", _PROGRAM], [report_w]
+        interpreter = _base_interpreter()
+        program, pass_fds = [interpreter, "-I", "-S", "-B", _PROGRAM], [report_w]
         if assert_test is not None:
             nonce = secrets.token_hex(16).encode()
             case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
@@ -598,19 +412,18 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
             case_file.flush()
             case_file.seek(0)
             marker_r, marker_w = os.pipe()
-            argv[-1:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
+            program[-1:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
             pass_fds += [case_file.fileno(), marker_w]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
-            proc = subprocess.Popen(
-                argv,
+            proc = subprocess.Popen(  # no preexec_fn: the launcher confines itself, then execs
+                _launcher_argv(interpreter, limits, tmpdir, report_w) + program,
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=tmpdir,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_ChildSetup(limits, tmpdir, report_w),
                 pass_fds=pass_fds,
             )
         # Only the child keeps these: the case file then vanishes once the harness has read it.
@@ -633,12 +446,15 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
             _kill_group(proc)
             proc.stdout.close()
             proc.stderr.close()
-        report = os.read(report_r, 256).decode().split()
+        setup_error, namespaces = _read_report(report_r)
+        if setup_error is not None and outcome is None:  # a timeout during set-up stays a timeout
+            err = f"sandbox launcher: {setup_error}\n{err}"
+            return _Run("sandbox_error", out, err, time.monotonic() - start, False)
         status = outcome or _classify(proc.returncode, err)
-        if status == "ok" and assert_test is not None and _read_marker(marker_r) != nonce:
+        if status == "ok" and assert_test is not None and _read_now(marker_r) != nonce:
             status = "early_exit"
-        return _Run(status, out, err, time.monotonic() - start, "net" in report)
-    except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. preexec_fn failed
+        return _Run(status, out, err, time.monotonic() - start, "net" in namespaces)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. no interpreter
         return _Run("sandbox_error", "", f"{type(e).__name__}: {e}", time.monotonic() - start, False)
     finally:
         for fd in (report_r, report_w, marker_r, marker_w):

@@ -1,0 +1,286 @@
+"""The sandbox launcher: confine a fresh process, then exec the untrusted program in it.
+
+``jaxrl.rewards.sandbox`` starts every run as::
+
+    <base python> -I -S -B sandbox_child.py KEY=VALUE... -- PROGRAM_ARGV...
+
+in the run's temporary directory, instead of running Python between fork and exec in the caller
+(``preexec_fn``). That matters because the caller is often a multi-threaded JAX process holding
+gigabytes: forking it is unsafe (a lock held by another thread stays locked in the child) and slow
+(copying its page tables cost about 1 s per run in the test suite). ``subprocess`` can start this
+launcher with ``vfork``, and all the set-up below runs in a small single-threaded interpreter.
+
+The settings (``spec``) are ``KEY=VALUE`` arguments (plain text, as ``json`` would add ~6 ms of
+imports to every run): ``wall_time_s``, ``cpu_time_s``, ``memory_mb``, ``file_size_mb`` and
+``max_processes`` (the ``SandboxLimits`` fields), ``namespaces`` (the ones wanted, comma-separated,
+of ``mnt``, ``pid``, ``net``; may be empty), ``tmpdir``, ``report_fd`` and ``parent_pid`` (the
+caller). The launcher writes one line to ``report_fd``: ``ok <namespaces entered>`` just before it execs the
+program, or ``error <message>`` if the set-up or the exec failed (then it exits with status 125).
+No line at all means it died before getting that far.
+
+Standard library only: it runs with ``-I -S`` and cannot import jaxrl.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import resource
+import signal
+import sys
+
+NOBODY = 65534
+SETUP_FAILED = 125  # exit status of a launcher whose set-up failed
+_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_TMPFS_SIZE = "size=16m,mode=1777"
+
+# <sched.h> / <sys/mount.h> / <sys/prctl.h>
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_NAMESPACE_FLAGS = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID, "net": _CLONE_NEWNET}
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
+_LIMITS = ("wall_time_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_processes")
+
+_libc = None
+
+
+def _load_libc():
+    """libc via ctypes (Linux), loaded before any fork so no child calls dlopen."""
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.mount.argtypes = [
+                ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p
+            ]
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def _unshare(flags: int) -> bool:
+    libc = _load_libc()
+    return libc is not None and libc.unshare(flags) == 0
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def hidden_ancestor(path: str) -> str | None:
+    """The outermost directory on ``path`` that others may not search (no o+x), or None."""
+    parts = path.split(os.sep)
+    for i in range(2, len(parts) + 1):
+        d = os.sep.join(parts[:i])
+        if not os.stat(d).st_mode & 0o001:
+            return d
+    return None
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that forked it exits (Linux; else a no-op).
+
+    fork() and a change of uid clear the setting, so each process arms its own, after any uid change.
+    The parent may be gone already: callers check that afterwards.
+    """
+    libc = _load_libc()
+    args = (ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if libc is not None and libc.prctl(_PR_SET_PDEATHSIG, *args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def _at_eof(fd: int) -> bool:
+    """Whether reading the pipe ``fd`` gives EOF now (every write end is closed)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 1) == b""
+    except BlockingIOError:
+        return False
+
+
+def _wait_and_mirror(pid: int, reap_all: bool, keep_fd: int | None = None) -> None:
+    """Wait for ``pid`` (reaping any other children too) and exit with its status. Never returns.
+
+    A child killed by signal ``s`` is reported as exit code ``128 + s``. All fds >= 3 but ``keep_fd``
+    are closed first, so this process holds neither the report pipe nor anything the program gets.
+    """
+    try:
+        if keep_fd is None:
+            os.closerange(3, 1 << 16)
+        else:
+            os.closerange(3, keep_fd)
+            os.closerange(keep_fd + 1, 1 << 16)
+        while True:
+            wpid, status = os.waitpid(-1 if reap_all else pid, 0)
+            if wpid == pid:
+                code = os.waitstatus_to_exitcode(status)
+                os._exit(128 - code if code < 0 else code)
+    finally:
+        os._exit(SETUP_FAILED)
+
+
+class Confinement:
+    """Namespaces, mounts, rlimits and privilege drop for one run, entered by ``enter()``.
+
+    Process tree with a PID namespace: the launcher P waits for G (pid 1 of the new namespace, reaps
+    orphans) which waits for H, the process that returns from ``enter()`` and execs the program.
+    Killing P's process group kills G, and the kernel then kills everything left in the namespace.
+    P dies with the calling thread of the caller and G with P (parent-death signals); without a PID
+    namespace P is H, which re-arms its signal after dropping privileges.
+    """
+
+    def __init__(self, spec: dict[str, str]):
+        self.limits = {name: float(spec[name]) for name in _LIMITS}
+        self.namespaces = [n for n in spec["namespaces"].split(",") if n]
+        unknown = set(self.namespaces) - set(_NAMESPACE_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown namespaces {sorted(unknown)}")
+        self.tmpdir = spec["tmpdir"]
+        self.parent_pid = int(spec["parent_pid"])
+        self.is_root = os.geteuid() == 0
+        # An interpreter under a dir "nobody" cannot enter (e.g. pyenv in /root, 0700).
+        self.prefix = os.path.realpath(sys.base_prefix)
+        self.hidden = hidden_ancestor(self.prefix) if self.is_root else None
+
+    def enter(self) -> set[str]:
+        """Confine this process; returns (in H only) the namespaces entered."""
+        got = set()
+        if self.namespaces and (self.is_root or self._enter_user_namespace()):
+            got = {name for name in self.namespaces if _unshare(_NAMESPACE_FLAGS[name])}
+        self._die_with_caller()
+        if "pid" in got:
+            lifeline_r, lifeline_w = os.pipe()  # EOF for G once P is gone
+            pid = os.fork()
+            if pid:
+                _wait_and_mirror(pid, reap_all=False, keep_fd=lifeline_w)  # P
+            os.close(lifeline_w)
+            _die_with_parent()
+            if _at_eof(lifeline_r):  # P died before G armed its signal
+                os._exit(SETUP_FAILED)
+            os.close(lifeline_r)
+            pid = os.fork()
+            if pid:
+                _wait_and_mirror(pid, reap_all=True)  # G, pid 1 in the namespace
+        if "mnt" in got:  # H from here on
+            try:
+                self._mount_private_dirs(fresh_proc="pid" in got)
+            except OSError:
+                got.discard("mnt")
+        if self.hidden and "mnt" not in got:
+            raise RuntimeError(
+                f"the interpreter under {self.hidden} is not accessible to uid {NOBODY} and no "
+                "mount namespace is available to expose it; use a world-readable Python"
+            )
+        self._set_rlimits()
+        if self.is_root:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            if os.getuid() != NOBODY or os.geteuid() != NOBODY:  # never run untrusted code as root
+                raise RuntimeError("failed to drop privileges")
+        if "pid" not in got:
+            self._die_with_caller()  # P is H: the uid change cleared the signal
+        # Backstop should the death signal be unavailable; inherited through exec, the caller kills first.
+        signal.alarm(math.ceil(self.limits["wall_time_s"]) + 1)
+        return got
+
+    def _die_with_caller(self) -> None:
+        """Die with the caller's thread that started us; exit if it is already gone."""
+        _die_with_parent()
+        if os.getppid() != self.parent_pid:
+            os._exit(SETUP_FAILED)
+
+    def _enter_user_namespace(self) -> bool:
+        """Non-root: a user namespace where we are root, so other namespaces are permitted."""
+        uid, gid = os.getuid(), os.getgid()
+        if not _unshare(_CLONE_NEWUSER):
+            return False
+        try:
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"0 {uid} 1")
+            _write("/proc/self/gid_map", f"0 {gid} 1")
+        except OSError:
+            pass  # unmapped: unsharing may still work, mounts will likely fail (handled)
+        return True
+
+    def _mount_private_dirs(self, fresh_proc: bool) -> None:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        if self.hidden:  # tmpfs over e.g. /root (hiding its contents), then bind the prefix back
+            fd = os.open(self.prefix, os.O_PATH | os.O_DIRECTORY)
+            try:
+                _mount("tmpfs", self.hidden, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+                os.makedirs(self.prefix, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", self.prefix, None, _MS_BIND | _MS_REC)
+            finally:
+                os.close(fd)
+        for d in _WORLD_WRITABLE:
+            if os.path.isdir(d) and not os.path.islink(d):
+                _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
+        # cwd still refers to the real sandbox dir, which a tmpfs may now hide: bind it back.
+        os.makedirs(self.tmpdir, exist_ok=True)
+        _mount(".", self.tmpdir, None, _MS_BIND)
+        os.chdir(self.tmpdir)
+        if fresh_proc:
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
+    def _set_rlimits(self) -> None:
+        lim = self.limits
+        cpu = max(1, int(lim["cpu_time_s"] + 0.999))
+        mb = 1024 * 1024
+        for res, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+            (resource.RLIMIT_AS, (int(lim["memory_mb"]) * mb,) * 2),
+            (resource.RLIMIT_FSIZE, (int(lim["file_size_mb"]) * mb,) * 2),
+            (resource.RLIMIT_NPROC, (int(lim["max_processes"]),) * 2),
+            (resource.RLIMIT_CORE, (0, 0)),
+            (resource.RLIMIT_NOFILE, (256, 256)),
+        ):
+            resource.setrlimit(res, value)
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``[KEY=VALUE..., "--", *program_argv]`` -> (settings, program argv)."""
+    if "--" not in argv:
+        raise ValueError(f"expected KEY=VALUE... -- PROGRAM..., got {argv!r}")
+    split = argv.index("--")
+    spec = dict(arg.partition("=")[::2] for arg in argv[:split])
+    missing = {*_LIMITS, "namespaces", "tmpdir", "report_fd", "parent_pid"} - spec.keys()
+    if missing or split == len(argv) - 1:
+        raise ValueError(f"missing settings {sorted(missing)} or program in {argv!r}")
+    return spec, argv[split + 1:]
+
+
+def main(argv: list[str]) -> None:
+    """Confine this process as ``argv`` says (see the module docstring) and exec the program. Never returns."""
+    report_fd = next((int(a[10:]) for a in argv if a.startswith("report_fd=")), None)
+    try:
+        spec, program = parse_args(argv)
+        got = Confinement(spec).enter()
+        os.set_inheritable(report_fd, False)  # closed by a successful exec; kept to report a failed one
+        os.write(report_fd, ("ok " + " ".join(sorted(got)) + "\n").encode())
+        os.execv(program[0], program)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then this process ends
+        if report_fd is not None:
+            try:
+                os.write(report_fd, f"error {type(e).__name__}: {e}\n".encode())
+            except OSError:
+                pass
+    os._exit(SETUP_FAILED)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
