@@ -26,7 +26,7 @@ from jaxrl.rewards import (  # noqa: E402
     normalize_answer,
 )
 from jaxrl.rewards.timeout import call_with_timeout  # noqa: E402
-from jaxrl.rewards.pool import item_deadline  # noqa: E402
+from jaxrl.rewards import item_deadline  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # extract_answer
@@ -143,6 +143,29 @@ EQUIVALENT = [
     (r"\infty^2", r"\infty"),
     ("5 million", "5,000,000"),
     ("3 million people", "3000000"),
+    # powers inside bases and exponents (refused by a text rule before)
+    ("(x^2+1)^3", "x^6+3x^4+3x^2+1"),
+    (r"e^{x^2}", r"e^{x\cdot x}"),
+    (r"e^{-x^2/2}", r"\frac{1}{e^{x^2/2}}"),
+    (r"e^{2x}", r"(e^{x})^2"),
+    (r"x^{2n}", "(x^n)^2"),
+    (r"2^{3\cdot 4}", "4096"),
+    ("(2^3)^2", "64"),
+    ("3^{2^2}", "81"),
+    ("2^{2^{2^{2}}}", "65536"),  # a tower MAX_POWER_HEIGHT high
+    (r"\sqrt{x^2+1}", "(x^2+1)^{1/2}"),
+    ("a^{b^c}", "a^{(b^c)}"),
+    (r"(e^{x}+1)^{2}", r"e^{2x}+2e^{x}+1"),
+    (r"(\sin x)^{16}", r"(1-\cos^2 x)^{8}"),
+    (r"e^{\ln 2}", "2"),
+    # random points: exact for rational functions (degree 32 here), exp and 1/3 valued, poles skipped
+    ("((x+1)^{16}+1)^{2}", "(x+1)^{32}+2(x+1)^{16}+1"),
+    ("(x+y+z+w)^{16}", "(w+z+y+x)^{16}"),
+    ("(x^3)^{7}", "x^{21}"),
+    (r"(e^{x})^{17}", r"e^{17x}"),
+    (r"\left(\frac{1}{3}\right)^{x}", "3^{-x}"),
+    (r"\frac{2}{2x-2}", r"\frac{1}{x-1}"),
+    (r"\frac{1}{(x-1)(x-\frac{3}{2})}", r"\frac{2}{(x-1)(2x-3)}"),
 ]
 
 NOT_EQUIVALENT = [
@@ -181,6 +204,13 @@ NOT_EQUIVALENT = [
     (r"5\text{ or more}", "5"),
     ("4 Pi", "4"),
     ("4 PI", "4"),
+    ("(x^2+1)^3", "x^6+3x^4+3x^2"),
+    (r"e^{x^2}", r"e^{2x}"),
+    ("((x+1)^{16}+1)^{16}", "((x+1)^{16}-1)^{16}"),
+    ("(x+y+z+w)^{16}", "(x+y+z-w)^{16}"),
+    ("2^{2^{2^{2}}}", "65537"),
+    ("2^{2^{2^{2^{0}}}}", "16"),  # equal, but taller than MAX_POWER_HEIGHT: refused
+    (r"(e^{x})^{17}", r"e^{17x}+10^{-40}"),
 ]
 
 
@@ -256,6 +286,17 @@ SHORT_BUT_SLOW = [
     r"x^{17}+\sin(e^{999abcdfghjklmnopq})",
     r"x^{17}+2^{abcdfghjklmnopqrstuvwABCDEFGHIJKLMNOPQRSTUVWXYZ}",
     r"\tan(\tan(\tan(\tan(\tan(1)))))",
+    # powers nested in bases: simplify() expanded these for minutes
+    "((x+1)^{16}+1)^{16}",
+    "((x+y)^{16}+(x-y)^{16})^{16}",
+    r"\sqrt{(x+1)^{16}+1}^{16}",
+    "((((x+1)^{16}+1)^{16}+1)^{16}+1)^{16}",
+    "(x+y+z+w)^{16}",
+    "(x^{999})^{999}",
+    "(x^{999}+1)^{999}",
+    "(x^{9})^{9^{9}}",
+    "e^{(x+1)^{999}}",
+    "x^{x^{x^{x}}}",
 ]
 
 

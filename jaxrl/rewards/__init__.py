@@ -12,7 +12,7 @@ from jaxrl.rewards.math import (
     math_verify,
     normalize_answer,
 )
-from jaxrl.rewards.pool import RewardPool, RewardResult
+from jaxrl.rewards.pool import RewardPool, RewardResult, item_deadline
 from jaxrl.rewards.sandbox import CodeResult, SandboxLimits, code_reward, extract_code, run_program, run_tests
 from jaxrl.rewards.shaping import (
     ComposedRewards,
@@ -37,6 +37,7 @@ __all__ = [
     "extract_code",
     "format_reward",
     "is_equivalent",
+    "item_deadline",
     "length_penalty",
     "math_verify",
     "normalize_answer",

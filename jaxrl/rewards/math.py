@@ -41,6 +41,9 @@ MAX_ROOT_INDEX = 99
 # sin/cos/tan/log/exp nested deeper than this are rejected: simplify() is
 # exponential in the depth (``\\tan(\\tan(\\tan(\\tan(\\tan(1)))))`` takes minutes).
 MAX_FUNCTION_DEPTH = 3
+# Power towers (powers nested in exponents) taller than this are rejected:
+# ``e^{x^2}`` and ``2^{2^{2^2}}`` pass, ``x^{x^{x^{x}}}`` does not.
+MAX_POWER_HEIGHT = 3
 
 # ---------------------------------------------------------------------------
 # Extraction
@@ -350,7 +353,6 @@ _FUNCTIONS = {"sqrt": "sqrt", "root": "root", "log": "log", "ln": "log", "exp": 
 _CONSTANTS = {"pi": "pi", "oo": "oo", "infty": "oo"}
 _LATEX_WORDS = {"cdot": "*", "times": "*", "div": "/", "pi": " pi ", "infty": " oo ",
                 **{name: f" {target}" for name, target in _FUNCTIONS.items()}}
-_EXPONENT_NAMES = {"pi", "sqrt"}
 
 
 def _brace_group(s: str, i: int, open_ch: str = "{", close_ch: str = "}") -> int | None:
@@ -460,39 +462,19 @@ def _operand_end(s: str, j: int) -> int | None:
     return end
 
 
-def _powers_are_safe(s: str) -> bool:
-    """Reject exponentiation that could explode before any evaluation happens.
+def _exponent_literals_are_small(s: str) -> bool:
+    """Whether every integer literal in every ``**`` operand has <= ``MAX_EXPONENT_DIGITS`` digits.
 
-    For every ``**``: the exponent must not contain another power or a product,
-    its integer literals must have <= ``MAX_EXPONENT_DIGITS`` digits, its names
-    must be single letters, ``pi`` or ``sqrt``, it must not be followed by another
-    ``**`` (``10**10**10``) and a parenthesised base must not contain ``**``.
+    A cheap first filter only: what a power may grow to is bounded on the parsed tree (``_parse``:
+    ``MAX_POWER_HEIGHT``, and ``_is_tame`` before anything is evaluated).
     """
     i = s.find("**")
     while i >= 0:
         end = _operand_end(s, i + 2)
         if end is None:
             return False
-        exponent = s[i + 2 : end]
-        if "*" in exponent or re.search(r"\)\s*[(0-9.]|[0-9.]\s*\(|[0-9]\s+[0-9]", exponent):
+        if any(len(d) > MAX_EXPONENT_DIGITS for d in re.findall(r"[0-9]+", s[i + 2 : end])):
             return False
-        if any(len(d) > MAX_EXPONENT_DIGITS for d in re.findall(r"[0-9]+", exponent)):
-            return False
-        names = re.findall(r"[A-Za-z]+", exponent)
-        if any(len(w) > 1 and w not in _EXPONENT_NAMES for w in names):
-            return False
-        if s[end:].lstrip().startswith("**"):
-            return False
-        if s[:i].rstrip().endswith(")"):
-            close = len(s[:i].rstrip()) - 1
-            depth, k = 0, close
-            while k >= 0:
-                depth += {")": 1, "(": -1}.get(s[k], 0)
-                if depth == 0:
-                    break
-                k -= 1
-            if k < 0 or "**" in s[k:close]:
-                return False
         i = s.find("**", i + 2)
     return True
 
@@ -507,7 +489,7 @@ def _to_sympy_syntax(s: str) -> str | None:
     if re.search(r"[eE][-+]?[0-9]{%d,}" % (MAX_EXPONENT_DIGITS + 1), code):  # 1e99999
         return None
     code = _split_identifiers(code)
-    if not code.strip() or not _powers_are_safe(code):
+    if not code.strip() or not _exponent_literals_are_small(code):
         return None
     return code
 
@@ -550,8 +532,11 @@ def _is_tame(expr, point: dict) -> bool:
         if node in values or node.free_symbols - point.keys():
             continue
         if node.is_Pow or isinstance(node, sympy.exp):
-            base, power = node.as_base_exp()
-            b, p = values.get(base), values.get(power)
+            # Not as_base_exp(): it rewrites (1/2)**x as 2**(-x) and exp(x) as E**x, nodes never valued.
+            if node.is_Pow:
+                b, p = values.get(node.base), values.get(node.exp)
+            else:
+                b, p = mpmath.e, values.get(node.args[0])
             if b is None or p is None:
                 return False
             if b != 0 and mpmath.isfinite(b) and mpmath.isfinite(p):  # oo stays symbolic
@@ -576,6 +561,20 @@ def _function_depth(expr) -> int:
     for node in sympy.postorder_traversal(expr):
         depth[node] = max((depth[a] for a in node.args), default=0) + isinstance(node, sympy.Function)
     return depth[expr]
+
+
+def _power_height(expr) -> int:
+    """Height of the tallest power tower in ``expr``: nesting through exponents (``x^2``: 1, ``e^{x^2}``: 2)."""
+    import sympy
+
+    height = {}
+    for node in sympy.postorder_traversal(expr):
+        below = max((height[a] for a in node.args), default=0)
+        if node.is_Pow or isinstance(node, sympy.exp):
+            base, exponent = node.as_base_exp()
+            below = max(height.get(base, 0), 1 + height.get(exponent, 0))
+        height[node] = below
+    return height[expr]
 
 
 def _parse(code: str):
@@ -605,6 +604,8 @@ def _parse(code: str):
     )
     if not isinstance(expr, sympy.Expr) or _function_depth(expr) > MAX_FUNCTION_DEPTH:
         return None
+    if _power_height(expr) > MAX_POWER_HEIGHT:
+        return None
     if not _is_tame(expr, {}):
         return None
     expr = expr.doit()  # evaluate now that the power guards have passed
@@ -614,9 +615,16 @@ def _parse(code: str):
     return expr.xreplace({f: sympy.Rational(str(f)) for f in expr.atoms(sympy.Float)})
 
 
-# Symbolic bases raised to integer powers above this are compared numerically at
-# random points instead of with simplify(), which would expand them.
+# Expressions in symbols whose polynomial degree may exceed this (``_degree``) are
+# compared at random points instead of with simplify(), which would expand them;
+# so are all rational functions, exactly (``(x+y+z+w)^{16}`` took 2 s to simplify).
 _MAX_SYMBOLIC_POWER = 16
+# Rational functions up to this degree are evaluated exactly at the points (the
+# point's denominator 1000 gives ~3 digits per degree); above it, numerically.
+_MAX_EXACT_DEGREE = 1000
+# Random points of the identity test: this many must be defined for both sides,
+# out of at most _MAX_POINTS drawn (a pole at a point skips it).
+_POINTS, _MAX_POINTS = 3, 8
 # Closed forms (and values at sample points) agree if they differ by less than
 # 10**-this times min(1, |value|): relative below 1, absolute above.
 _AGREE_DIGITS = 50
@@ -630,25 +638,53 @@ def _numbers_close(x, y, rel_tol: float) -> bool:
     return abs(vx - vy) <= rel_tol * max(abs(vx), abs(vy))
 
 
-def _agree_at(a, b, point: dict) -> bool:
-    """Whether ``a`` and ``b`` are equal at ``point`` (symbols -> Rationals).
+def _degree(expr) -> float:
+    """An upper bound on the polynomial degree ``expr`` or any part of it could expand to.
 
-    Exactly when both are rational functions; otherwise to within
-    10**-``_AGREE_DIGITS`` times min(1, |value|), evaluated with the precision
-    raised to the magnitude, so that a large leading term cannot swamp the
-    difference (``x^{100}`` vs ``x^{100}+1``). Evaluates only ``_is_tame`` input.
+    Powers with a rational exponent multiply it through nesting (``((x+1)^{16}+1)^{16}``: 256),
+    products add, and anything else (sums, functions, symbolic exponents) takes its largest argument's.
+    """
+    import sympy
+
+    degree = {}
+    for node in sympy.postorder_traversal(expr):  # children before their parent
+        if node.is_Symbol:
+            d = 1.0
+        elif node.is_Pow and node.exp.is_Rational:
+            d = degree[node.base] * abs(float(node.exp))
+        elif node.is_Mul:
+            d = sum(degree[a] for a in node.args)
+        else:
+            d = max((degree[a] for a in node.args), default=0.0)
+        degree[node] = d
+    return max(degree.values())
+
+
+def _agree_at(a, b, point: dict) -> bool | None:
+    """Whether ``a`` and ``b`` are equal at ``point`` (symbols -> Rationals); None if either is undefined there.
+
+    Exactly when both are rational functions of degree <= ``_MAX_EXACT_DEGREE``;
+    otherwise to within 10**-``_AGREE_DIGITS`` times min(1, |value|), evaluated
+    with the precision raised to the magnitude, so that a large leading term
+    cannot swamp the difference (``x^{100}`` vs ``x^{100}+1``). Evaluates only
+    ``_is_tame`` input (anything else is False).
     """
     import mpmath
+    import sympy
 
     if not (_is_tame(a, point) and _is_tame(b, point)):
         return False
-    if a.is_rational_function() and b.is_rational_function():
+    exact = all(e.is_rational_function() and _degree(e) <= _MAX_EXACT_DEGREE for e in (a, b))
+    if exact:
         va, vb = a.xreplace(point), b.xreplace(point)
+        undefined = (sympy.zoo, sympy.nan, sympy.oo, -sympy.oo)
+        if va.has(*undefined) or vb.has(*undefined):
+            return None
         if va.is_Rational and vb.is_Rational:
             return va == vb
     va, vb = _mp(a.evalf(15, subs=point)), _mp(b.evalf(15, subs=point))
     if va is None or vb is None or not (mpmath.isfinite(va) and mpmath.isfinite(vb)):
-        return False
+        return None
     scale = max(abs(va), abs(vb))
     digits = _AGREE_DIGITS + 10 + (max(0, int(mpmath.log10(scale)) + 1) if scale else 0)
     if digits > 2 * MAX_VALUE_DIGITS:
@@ -661,9 +697,26 @@ def _agree_at(a, b, point: dict) -> bool:
     return abs(va - vb) <= min(scale, 1) * mpmath.mpf(10) ** -_AGREE_DIGITS
 
 
-def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
+def _agree_at_random_points(a, b, symbols: list) -> bool | None:
+    """Randomised identity test (fixed seed): True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n
+    where both are defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined."""
     import random
 
+    import sympy
+
+    rng, defined = random.Random(0), 0
+    for _ in range(_MAX_POINTS):
+        point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
+        agree = _agree_at(a, b, point)
+        if agree is False:
+            return False
+        defined += agree is True
+        if defined == _POINTS:
+            return True
+    return None
+
+
+def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
     import sympy
 
     code_a, code_b = _to_sympy_syntax(a), _to_sympy_syntax(b)
@@ -678,19 +731,13 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
     if diff == 0 or diff.is_Rational:
         return diff == 0
     symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
-    big_power = any(
-        p.exp.is_Integer and abs(p.exp) > _MAX_SYMBOLIC_POWER and p.base.free_symbols
-        for e in (ea, eb)
-        for p in e.atoms(sympy.Pow)
-    )
-    if big_power:
-        # Randomised identity test (deterministic seed): agree at 3 points.
-        rng = random.Random(0)
-        for _ in range(3):
-            point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
-            if not _agree_at(ea, eb, point):
-                return False
-        return True
+    if symbols:
+        agree = _agree_at_random_points(ea, eb, symbols)
+        if agree is False:  # the common case (a wrong answer), decided without simplify()
+            return False
+        rational = ea.is_rational_function() and eb.is_rational_function()
+        if rational or max(_degree(ea), _degree(eb)) > _MAX_SYMBOLIC_POWER:
+            return agree is True  # exact at the points, or too large to simplify()
     diff = sympy.simplify(diff)
     if diff == 0:
         return True
@@ -698,7 +745,7 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         return False  # exact non-zero difference, undefined, or symbolic
     if ea.is_Rational or eb.is_Rational:  # a number against a closed form: rel_tol
         return _numbers_close(ea, eb, rel_tol)
-    return _agree_at(ea, eb, {})  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
+    return _agree_at(ea, eb, {}) is True  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
 
 
 def _equivalent(a: str, b: str, rel_tol: float) -> bool:
@@ -741,14 +788,19 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
     intervals element-wise (``\\{..\\}`` sets order-insensitively). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length
-    <= ``MAX_PARSE_CHARS``, no huge or nested powers, no value, ``exp`` or trig
-    argument beyond 10**``MAX_VALUE_DIGITS``, root indices 2..``MAX_ROOT_INDEX``,
-    functions nested at most ``MAX_FUNCTION_DEPTH`` deep)
-    and compared with ``simplify(a - b) == 0`` (symbolic powers above 16: exactly
-    or to 50 digits at 3 random points instead). A plain number against a closed
-    form is then compared to ``rel_tol`` (``\\pi/2`` == ``1.5707963267948966``);
-    two closed forms must agree to 50 digits. Anything that fails, raises or is
-    undefined (``1/0``, nan) gives False.
+    <= ``MAX_PARSE_CHARS``, exponent literals of at most ``MAX_EXPONENT_DIGITS``
+    digits, power towers at most ``MAX_POWER_HEIGHT`` high, no value, ``exp`` or
+    trig argument beyond 10**``MAX_VALUE_DIGITS``, root indices
+    2..``MAX_ROOT_INDEX``, functions nested at most ``MAX_FUNCTION_DEPTH`` deep).
+    With symbols, both are first evaluated at 3 random points in [1, 2]^n
+    (exactly for rational functions, else to 50 digits; points where either is
+    undefined are skipped): any disagreement gives False, agreement gives True
+    for rational functions and for degrees above 16, and otherwise must be
+    confirmed by ``simplify(a - b) == 0``. Without symbols, ``simplify(a - b)``
+    decides; a plain number against a closed form is then compared to
+    ``rel_tol`` (``\\pi/2`` == ``1.5707963267948966``) and two closed forms must
+    agree to 50 digits. Anything that fails, raises or is undefined (``1/0``,
+    nan) gives False.
     """
     try:
         if isinstance(reference, (int, float, Fraction)) and not isinstance(reference, bool):
