@@ -31,16 +31,16 @@ def _sizes(path: str) -> dict[str, list[str]]:
     return {}
 
 
+WITH_SIZES = [p for p in NOTEBOOKS if _sizes(p)]
+
+
 def test_the_notebooks_with_settings_are_found():
-    names = [os.path.basename(p) for p in NOTEBOOKS if _sizes(p)]
-    assert len(names) >= 4, names
+    assert len(WITH_SIZES) >= 4, [os.path.basename(p) for p in WITH_SIZES]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+@pytest.mark.parametrize("path", WITH_SIZES, ids=os.path.basename)
 def test_notebook_sizes_are_valid_overrides(path):
     sizes = _sizes(path)
-    if not sizes:
-        pytest.skip("no SIZES in this notebook")
     assert set(sizes) == {"small", "large"}
     recipe = os.path.join(REPO, "configs", "default.yaml")
     loaded = {name: load_config(Config, recipe, overrides) for name, overrides in sizes.items()}  # raises if bad
