@@ -514,6 +514,15 @@ def _mp(value, bits: int = 64):
     return None if mpmath.isnan(z) else z
 
 
+def _base_and_exponent(power) -> tuple:
+    """``(base, exponent)`` of a ``Pow`` or ``exp`` node as its own children (base None for ``exp``).
+
+    Not ``as_base_exp()``: that rewrites ``(1/2)**x`` as ``2**(-x)`` and ``exp(x)`` as ``E**x``, new nodes
+    that a walk over the tree never visited.
+    """
+    return (power.base, power.exp) if power.is_Pow else (None, power.args[0])
+
+
 def _is_tame(expr, point: dict) -> bool:
     """Whether ``expr`` (symbols -> ``point``) evaluates without astronomically large numbers.
 
@@ -532,11 +541,8 @@ def _is_tame(expr, point: dict) -> bool:
         if node in values or node.free_symbols - point.keys():
             continue
         if node.is_Pow or isinstance(node, sympy.exp):
-            # Not as_base_exp(): it rewrites (1/2)**x as 2**(-x) and exp(x) as E**x, nodes never valued.
-            if node.is_Pow:
-                b, p = values.get(node.base), values.get(node.exp)
-            else:
-                b, p = mpmath.e, values.get(node.args[0])
+            base, power = _base_and_exponent(node)
+            b, p = mpmath.e if base is None else values.get(base), values.get(power)
             if b is None or p is None:
                 return False
             if b != 0 and mpmath.isfinite(b) and mpmath.isfinite(p):  # oo stays symbolic
@@ -571,8 +577,8 @@ def _power_height(expr) -> int:
     for node in sympy.postorder_traversal(expr):
         below = max((height[a] for a in node.args), default=0)
         if node.is_Pow or isinstance(node, sympy.exp):
-            base, exponent = node.as_base_exp()
-            below = max(height.get(base, 0), 1 + height.get(exponent, 0))
+            base, exponent = _base_and_exponent(node)
+            below = max(height.get(base, 0), 1 + height[exponent])
         height[node] = below
     return height[expr]
 
@@ -660,21 +666,19 @@ def _degree(expr) -> float:
     return max(degree.values())
 
 
-def _agree_at(a, b, point: dict) -> bool | None:
+def _agree_at(a, b, point: dict, exact: bool) -> bool | None:
     """Whether ``a`` and ``b`` are equal at ``point`` (symbols -> Rationals); None if either is undefined there.
 
-    Exactly when both are rational functions of degree <= ``_MAX_EXACT_DEGREE``;
-    otherwise to within 10**-``_AGREE_DIGITS`` times min(1, |value|), evaluated
-    with the precision raised to the magnitude, so that a large leading term
-    cannot swamp the difference (``x^{100}`` vs ``x^{100}+1``). Evaluates only
-    ``_is_tame`` input (anything else is False).
+    Exactly if ``exact`` (both are rational functions of degree <= ``_MAX_EXACT_DEGREE``); otherwise to
+    within 10**-``_AGREE_DIGITS`` times min(1, |value|), evaluated with the precision raised to the
+    magnitude, so that a large leading term cannot swamp the difference (``x^{100}`` vs ``x^{100}+1``).
+    Evaluates only ``_is_tame`` input (anything else is False).
     """
     import mpmath
     import sympy
 
     if not (_is_tame(a, point) and _is_tame(b, point)):
         return False
-    exact = all(e.is_rational_function() and _degree(e) <= _MAX_EXACT_DEGREE for e in (a, b))
     if exact:
         va, vb = a.xreplace(point), b.xreplace(point)
         undefined = (sympy.zoo, sympy.nan, sympy.oo, -sympy.oo)
@@ -697,7 +701,7 @@ def _agree_at(a, b, point: dict) -> bool | None:
     return abs(va - vb) <= min(scale, 1) * mpmath.mpf(10) ** -_AGREE_DIGITS
 
 
-def _agree_at_random_points(a, b, symbols: list) -> bool | None:
+def _agree_at_random_points(a, b, symbols: list, exact: bool) -> bool | None:
     """Randomised identity test (fixed seed): True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n
     where both are defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined."""
     import random
@@ -707,7 +711,7 @@ def _agree_at_random_points(a, b, symbols: list) -> bool | None:
     rng, defined = random.Random(0), 0
     for _ in range(_MAX_POINTS):
         point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
-        agree = _agree_at(a, b, point)
+        agree = _agree_at(a, b, point, exact)
         if agree is False:
             return False
         defined += agree is True
@@ -732,11 +736,12 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         return diff == 0
     symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
     if symbols:
-        agree = _agree_at_random_points(ea, eb, symbols)
+        rational = ea.is_rational_function() and eb.is_rational_function()
+        degree = max(_degree(ea), _degree(eb))
+        agree = _agree_at_random_points(ea, eb, symbols, exact=rational and degree <= _MAX_EXACT_DEGREE)
         if agree is False:  # the common case (a wrong answer), decided without simplify()
             return False
-        rational = ea.is_rational_function() and eb.is_rational_function()
-        if rational or max(_degree(ea), _degree(eb)) > _MAX_SYMBOLIC_POWER:
+        if rational or degree > _MAX_SYMBOLIC_POWER:
             return agree is True  # exact at the points, or too large to simplify()
     diff = sympy.simplify(diff)
     if diff == 0:
@@ -745,7 +750,7 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         return False  # exact non-zero difference, undefined, or symbolic
     if ea.is_Rational or eb.is_Rational:  # a number against a closed form: rel_tol
         return _numbers_close(ea, eb, rel_tol)
-    return _agree_at(ea, eb, {}) is True  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
+    return _agree_at(ea, eb, {}, exact=False) is True  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
 
 
 def _equivalent(a: str, b: str, rel_tol: float) -> bool:
