@@ -7,7 +7,7 @@ zeros (an empty completion). Everything is computed in float32 and is jit-safe: 
 on traced values, only on static arguments (`group_size`, flags, the config).
 
 Sequence-level estimators return `[B]` (broadcast over tokens with `broadcast_to_tokens`); token-level
-ones (`gae`, `gtpo`) return `[B, N]`, already multiplied by the mask.
+ones (`gae`, `gtpo`, `reinforce_pp` with a token penalty) return `[B, N]`, already multiplied by the mask.
 """
 
 from __future__ import annotations
@@ -147,21 +147,39 @@ def rloo(rewards: jax.Array, group_size: int) -> jax.Array:
 
 
 def reinforce_pp(rewards: jax.Array, *, group_size: int | None = None, mask: jax.Array | None = None,
-                 eps: float = 1e-6) -> jax.Array:
-    """REINFORCE++ (Hu 2025, arXiv 2501.03262): global batch whitening of the reward.
+                 token_penalty: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): global batch whitening of the return.
 
     `x = r` (or `r - mean_group(r)` when `group_size` is given: "REINFORCE++-baseline"), then
     `A = (x - mean) / (std + eps)` with population stats over the B sequences, or, given `mask [B, N]`,
     over the valid tokens (row i weighted by its length: the stats of x broadcast to tokens, as OpenRLHF
     computes them; a row without valid tokens gets 0). rewards `[B]` -> `[B]`.
+
+    With `token_penalty [B, N]` (the per-token KL folded into the reward; needs `mask`), each token's
+    return is the paper's `x - sum_{i >= t} penalty_i`, the penalty still to come, whitened over the
+    valid tokens -> `[B, N]`, times the mask.
     """
     if group_size is None:
         x = _groups(rewards, 1).reshape(-1)  # groups of 1: just the 1-D check and the float32 cast
     else:
         grouped = _groups(rewards, group_size)
         x = _centered(grouped, jnp.ones_like(grouped), axis=1).reshape(-1)
-    weights = jnp.ones_like(x) if mask is None else jnp.asarray(mask, jnp.float32).sum(axis=1)
-    return _whiten(x, weights, axis=0, eps=eps)
+    if token_penalty is None:
+        weights = jnp.ones_like(x) if mask is None else jnp.asarray(mask, jnp.float32).sum(axis=1)
+        return _whiten(x, weights, axis=0, eps=eps)
+    if mask is None:
+        raise ValueError("reinforce_pp with a token_penalty needs the completion mask")
+    mask = jnp.asarray(mask, jnp.float32)
+    returns = x[:, None] - penalty_to_go(token_penalty, mask)
+    return _whiten(returns, mask, axis=None, eps=eps) * mask
+
+
+def penalty_to_go(token_penalty: jax.Array, mask: jax.Array) -> jax.Array:
+    """`out[b, t] = sum_{i >= t} penalty[b, i] * mask[b, i]`: the penalty a token's choice still faces
+    (undiscounted). token_penalty, mask `[B, N]` -> `[B, N]`, times the mask."""
+    mask = jnp.asarray(mask, jnp.float32)
+    masked = jnp.asarray(token_penalty, jnp.float32) * mask
+    return jnp.flip(jnp.cumsum(jnp.flip(masked, axis=1), axis=1), axis=1) * mask
 
 
 def remax(rewards: jax.Array, greedy_rewards: jax.Array) -> jax.Array:
@@ -364,25 +382,25 @@ def _require(value, estimator: str, what: str):
 
 def _sequence_level(config: AdvantageConfig, rewards, mask, group_size, *, entropy, greedy_rewards,
                     components, component_weights, penalty) -> jax.Array:
-    """The advantage of every estimator but gae, from sequence rewards (penalty already subtracted)."""
+    """The advantage of every estimator but gae, `[B]` or `[B, N]`, given the token penalty `[B, N]`
+    (or None): reinforce_pp subtracts the penalty still to come from each token's return, per_component
+    subtracts the penalty's sum from the normalised advantage (normalising it like a reward component
+    would cancel kl_coef), every other estimator gets rewards minus the penalty's sum."""
     name = config.estimator
     if config.per_component:
         components = jnp.asarray(_require(components, name, "components (per_component)"), jnp.float32)
-        if penalty is not None:  # the token penalty is one more component, weight 1
-            components = jnp.concatenate([components, -penalty[:, None]], axis=1)
-            weights = [1.0] * (components.shape[1] - 1) if component_weights is None else component_weights
-            component_weights = [*weights, 1.0]
-        return normalize_components(components, group_size, weights=component_weights,
-                                    std_scope=config.std_scope, eps=config.eps)
+        normalized = normalize_components(components, group_size, weights=component_weights,
+                                          std_scope=config.std_scope, eps=config.eps)
+        return normalized if penalty is None else normalized - penalty.sum(axis=1)
+    if name == "reinforce_pp":
+        return reinforce_pp(rewards, group_size=group_size if config.group_baseline else None, mask=mask,
+                            token_penalty=penalty, eps=config.eps)
     if penalty is not None:
-        rewards = rewards - penalty
+        rewards = rewards - penalty.sum(axis=1)
     if name == "grpo":
         return grpo(rewards, group_size, std_scope=config.std_scope, eps=config.eps)
     if name == "rloo":
         return rloo(rewards, group_size)
-    if name == "reinforce_pp":
-        return reinforce_pp(rewards, group_size=group_size if config.group_baseline else None, mask=mask,
-                            eps=config.eps)
     if name == "remax":
         return remax(rewards, _require(greedy_rewards, name, "greedy_rewards"))
     if name == "opo":
@@ -418,8 +436,9 @@ def compute(
         values (gae); greedy_rewards: `[B]` (remax); components: `[B, K]` reward terms and
         component_weights K floats (per_component).
       token_penalty: `[B, N]` per-token penalty (e.g. a KL penalty in the reward): subtracted from the
-        token rewards for gae, else its masked sum is subtracted from each sequence's reward (with
-        per_component it enters as one more component of weight 1).
+        token rewards for gae; for reinforce_pp, each token's return loses the penalty from that token on;
+        for per_component, the normalised advantage loses its masked sum; for the other estimators, each
+        sequence's reward loses its masked sum.
 
     Returns:
       `(advantages [B, N], returns [B, N] | None)`, both times the mask; the entropy bonus
@@ -446,8 +465,7 @@ def compute(
     else:
         advantages = _sequence_level(
             config, rewards, mask, group_size, entropy=entropy, greedy_rewards=greedy_rewards,
-            components=components, component_weights=component_weights,
-            penalty=None if penalty is None else penalty.sum(axis=1))
+            components=components, component_weights=component_weights, penalty=penalty)
     advantages = broadcast_to_tokens(advantages, mask)
     if config.entropy_bonus_alpha > 0:
         entropy = _require(entropy, name, "entropy (entropy_bonus_alpha > 0)")

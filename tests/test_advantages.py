@@ -573,12 +573,52 @@ def test_compute_per_component():
     a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
                          component_weights=weights)
     close(a, ref_broadcast(ref_components(raw["components"], g, weights, "group"), raw["mask"]))
-    # a token penalty enters as one more component of weight 1
+    # a token penalty is subtracted, unnormalised, from the normalised advantage: kl_coef keeps its meaning
     a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
                          component_weights=weights, token_penalty=batch["penalty"])
     seq_penalty = (raw["penalty"] * raw["mask"]).sum(1)
-    with_penalty = np.concatenate([raw["components"], -seq_penalty[:, None]], axis=1)
-    close(a, ref_broadcast(ref_components(with_penalty, g, [*weights, 1.0], "group"), raw["mask"]))
+    close(a, ref_broadcast(ref_components(raw["components"], g, weights, "group") - seq_penalty, raw["mask"]))
+    tenfold, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
+                               component_weights=weights, token_penalty=10 * batch["penalty"])
+    close(tenfold, ref_broadcast(ref_components(raw["components"], g, weights, "group") - 10 * seq_penalty,
+                                 raw["mask"]))
+
+
+def ref_reinforce_pp_with_penalty(r, mask, penalty, g=None, eps=1e-6):
+    """REINFORCE++ eq.: token return `x_i - sum_{s >= t} penalty_is` (x: reward, group-centred for the
+    baseline variant), whitened over all valid tokens of the batch."""
+    x = np.array(r, dtype=np.float64)
+    if g is not None:
+        for start in range(0, len(r), g):
+            mean, _ = ref_mean_std(r[start:start + g])
+            x[start:start + g] = r[start:start + g] - mean
+    b, n = mask.shape
+    returns = {(i, t): x[i] - sum(penalty[i, s] for s in range(t, n) if mask[i, s])
+               for i in range(b) for t in range(n) if mask[i, t]}
+    mean, std = ref_mean_std(list(returns.values()))
+    return np.array([[(returns[i, t] - mean) / (std + eps) if (i, t) in returns else 0.0 for t in range(n)]
+                     for i in range(b)])
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_penalty_still_to_come(baseline):
+    g = 4
+    raw = make_batch(73, 12, 6, g)
+    batch = {k: f32(v) for k, v in raw.items()}
+    config = AdvantageConfig("reinforce_pp", group_baseline=baseline)
+    a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, token_penalty=batch["penalty"])
+    expected = ref_reinforce_pp_with_penalty(raw["rewards"], raw["mask"], raw["penalty"], g if baseline else None)
+    close(a, expected, rtol=2e-5)
+    # within a row, earlier tokens face more penalty: a full row's advantages rise along the sequence
+    assert np.all(np.diff(np.asarray(a)[0]) > 0)
+    with pytest.raises(ValueError, match="needs the completion mask"):
+        adv.reinforce_pp(batch["rewards"], token_penalty=batch["penalty"])
+
+
+def test_penalty_to_go():
+    penalty = f32([[1.0, 2.0, 4.0, 8.0], [1.0, 2.0, 4.0, 8.0]])
+    mask = f32([[1, 1, 1, 1], [1, 1, 0, 0]])
+    close(adv.penalty_to_go(penalty, mask), np.array([[15.0, 14.0, 12.0, 8.0], [3.0, 2.0, 0.0, 0.0]]))
 
 
 @pytest.mark.parametrize("config,message", [
