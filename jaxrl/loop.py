@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -316,7 +315,8 @@ def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: f
 
 
 def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
-    """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, mean metrics).
+    """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, metrics over
+    the steps: `losses.mean_over_updates`).
 
     Minibatches are drawn by a permutation seeded by (seed, step).
     """
@@ -330,8 +330,7 @@ def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, s
                 lambda x: x[order[m * size:(m + 1) * size]], batch)
             state, metrics = step_fn(state, minibatch, controls, ref_policy)
             collected.append(metrics)
-    metrics = jax.device_get(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *collected))
-    return state, metrics
+    return state, jax.device_get(losses.mean_over_updates(collected))
 
 
 def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarray, config: Config

@@ -25,8 +25,8 @@ from jaxrl.losses import (AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, PRESETS, RATI
                           LossInputs, adapt_entropy_coef, adapt_temperature, aggregate, build_loss,
                           cispo, clip_cov_mask, combine, entropy_term, gmpo, kl_cov_mask, kl_cov_term,
                           kl_estimate, kl_full, kl_k1, kl_k2, kl_k3, kl_term, logp_advantage_covariance,
-                          normalizers, policy_term, ppo_clip, prepare_batch, reduce_metrics, reinforce,
-                          sequence_log_ratio, sequence_token_log_ratio, token_log_ratio, token_mean,
+                          mean_over_updates, normalizers, policy_term, ppo_clip, prepare_batch, reduce_metrics,
+                          reinforce, sequence_log_ratio, sequence_token_log_ratio, token_log_ratio, token_mean,
                           top_entropy_mask, truncated_is_weights, truncation_mask, value_loss, value_term)
 
 EPS_LOW, EPS_HIGH, DUAL_C, GMPO_EPS = 0.2, 0.28, 1.5, 0.4
@@ -354,6 +354,18 @@ def test_token_mean_and_reduce_metrics():
     assert float(out["loss"]) == 1.75 and float(out["ratio_max"]) == 3.0 and float(out["ratio_min"]) == 0.5
 
 
+def test_mean_over_updates_drops_updates_without_tokens():
+    # an update whose minibatch had no loss tokens reports the masked max/min of nothing
+    empty = policy_term("ppo_clip", "token", "token-mean")(
+        inputs_of({**make_batch(8), "mask": np.zeros((B, N), np.float32)}), norm_of(np.zeros((B, N))), CONTROLS)[1]
+    assert float(empty["ratio_max"]) == -np.inf and float(empty["ratio_min"]) == np.inf
+    full = {name: jnp.float32(1.0) for name in empty} | {"ratio_max": jnp.float32(1.3),
+                                                          "ratio_min": jnp.float32(0.6)}
+    out = mean_over_updates([full, empty, {**full, "ratio_max": jnp.float32(1.1)}])
+    assert float(out["ratio_max"]) == pytest.approx(1.3) and float(out["ratio_min"]) == pytest.approx(0.6)
+    assert float(out["policy_loss"]) == pytest.approx((2.0 + float(empty["policy_loss"])) / 3)
+
+
 # --------------------------------------------------------------------------- ratios
 
 
@@ -505,6 +517,22 @@ def test_reinforce_value_and_gradient():
     assert_grad(lambda x: term(inputs_of({**d, "logp": x}), norm, CONTROLS)[0],
                 lambda x: np_policy_loss(x, f64(d["old"]), f64(a), m, objective="reinforce",
                                          agg="seq-mean-token-sum"), d["logp"], m)
+
+
+@pytest.mark.parametrize("log_ratio", [19.0, 21.0, 60.0])
+def test_far_off_policy_tokens_keep_their_gradient(log_ratio):
+    """Beyond the e^20 cap the value is capped but a token is still pushed back (not a zero gradient)."""
+    old = jnp.float32(-30.0)
+    grad_of = lambda loss: float(jgrad(loss)(old + log_ratio))
+    capped = math.exp(min(log_ratio, 20.0))
+    negative = jnp.float32(-1.0)  # A < 0, r large: PPO's unclipped branch -r A is active
+    ppo = grad_of(lambda lp: ppo_clip(token_log_ratio(lp, old, jnp.float32(1.0)), negative)[0])
+    assert ppo == pytest.approx(capped, rel=1e-5)
+    assert grad_of(lambda lp: reinforce(lp - old, negative)[0]) == pytest.approx(capped, rel=1e-5)
+    # k3 to a reference far above: d k3 / d logp = 1 - exp(ref - logp), capped at e^20
+    k3_grad = float(jgrad(lambda lp: kl_k3(lp, old))(old - log_ratio))
+    assert k3_grad == pytest.approx(1.0 - capped, rel=1e-5)
+    assert np.isfinite(float(kl_k3(old - log_ratio, old)))
 
 
 def test_cispo_value_and_gradient_never_drop_a_token():

@@ -2,7 +2,7 @@
 
 | module | pieces |
 |---|---|
-| `aggregation` | `Normalizers` (whole-batch counts), `aggregate` (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm), `reduce_metrics` |
+| `aggregation` | `Normalizers` (whole-batch counts), `aggregate` (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm), `reduce_metrics`, `mean_over_updates` |
 | `policy` | importance ratios (token, GSPO sequence, GSPO-token), objectives (`ppo_clip` with clip-higher and dual clip, `reinforce`, `cispo`, `gmpo`), `truncated_is_weights` |
 | `masks` | batch-level token selections: overlong filtering, top-entropy ("forking") tokens, Clip-Cov, KL-Cov, log-prob/advantage covariance |
 | `regularizers` | KL estimators (k1, k2, k3, full), clipped value loss, adaptive entropy coefficient, temperature controller |
@@ -13,7 +13,8 @@
 Advantage estimators live in `jaxrl.advantages`.
 """
 
-from jaxrl.losses.aggregation import AGGREGATIONS, Normalizers, aggregate, normalizers, reduce_metrics, token_mean
+from jaxrl.losses.aggregation import (AGGREGATIONS, Normalizers, aggregate, mean_over_updates, normalizers,
+                                     reduce_metrics, token_mean)
 from jaxrl.losses.batch import prepare_batch
 from jaxrl.losses.compose import (Controls, LossInputs, Term, build_loss, combine, entropy_term, kl_cov_term,
                                   kl_term, policy_term, value_term)
@@ -29,8 +30,9 @@ __all__ = [
     "AGGREGATIONS", "KL_ESTIMATORS", "OBJECTIVES", "PRESETS", "RATIOS", "Controls", "LossConfig", "LossInputs",
     "Normalizers", "Term", "adapt_entropy_coef", "adapt_temperature", "aggregate", "build_loss", "cispo",
     "clip_cov_mask", "combine", "entropy_term", "gmpo", "kl_cov_mask", "kl_cov_term", "kl_estimate", "kl_full",
-    "kl_k1", "kl_k2", "kl_k3", "kl_term", "logp_advantage_covariance", "normalizers", "policy_term", "ppo_clip",
-    "prepare_batch", "reduce_metrics", "reinforce", "sequence_log_ratio", "sequence_token_log_ratio",
+    "kl_k1", "kl_k2", "kl_k3", "kl_term", "logp_advantage_covariance", "mean_over_updates", "normalizers",
+    "policy_term", "ppo_clip", "prepare_batch", "reduce_metrics", "reinforce", "sequence_log_ratio",
+    "sequence_token_log_ratio",
     "token_log_ratio", "token_mean", "top_entropy_mask", "truncated_is_weights", "truncation_mask", "value_loss",
     "value_term",
 ]

@@ -20,6 +20,7 @@ by the number of rows and a constant length, so it does not depend on response l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import jax
@@ -82,13 +83,25 @@ def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(mask.astype(bool), x, jnp.inf))
 
 
+def _extreme(name: str):
+    """The reduction a metric's name asks for: `_max` -> maximum, `_min` -> minimum, else None."""
+    return jnp.maximum if name.endswith("_max") else jnp.minimum if name.endswith("_min") else None
+
+
+def mean_over_updates(per_update: Sequence[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The metrics of several optimizer updates as one: `_max`/`_min` names take the max/min over the
+    updates (an update without loss tokens reports -inf/+inf and so drops out), everything else the mean."""
+    def combine(name):
+        values = jnp.stack([metrics[name] for metrics in per_update])
+        extreme = _extreme(name)
+        return jnp.mean(values) if extreme is None else extreme.reduce(values)
+    return {name: combine(name) for name in per_update[0]}
+
+
 def reduce_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Combine the metrics of two parts of one batch: names ending in `_max`/`_min` take the max/min,
     everything else is already normalised by whole-batch counts and adds up."""
     def combine(name):
-        if name.endswith("_max"):
-            return jnp.maximum(a[name], b[name])
-        if name.endswith("_min"):
-            return jnp.minimum(a[name], b[name])
-        return a[name] + b[name]
+        extreme = _extreme(name)
+        return a[name] + b[name] if extreme is None else extreme(a[name], b[name])
     return {name: combine(name) for name in a}

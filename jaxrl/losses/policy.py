@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 sg = jax.lax.stop_gradient
 
-# Bound on |log ratio| before exp: beyond it a ratio is clipped anyway, and exp would overflow float32.
+# Bound on |log ratio| before exp (exp overflows float32 near 88): a ratio beyond e^20 means the token is
+# far off-policy; its value is capped there but its gradient keeps its sign (see `clamp_keep_gradient`).
 MAX_LOG_RATIO = 20.0
 
 Ratio = Literal["token", "sequence", "sequence_token"]
@@ -72,9 +73,19 @@ RATIO_FUNCTIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array
 }
 
 
+def clamp_keep_gradient(x: jax.Array, bound: float = MAX_LOG_RATIO) -> jax.Array:
+    """`x` with its value clipped to `[-bound, bound]` and the gradient of `x` itself (straight through).
+
+    `jnp.clip` has zero gradient outside its range: an unclipped PPO term with A < 0 (or a k3 penalty)
+    would then stop pushing back exactly the tokens that moved furthest. Here they keep the gradient
+    of the clamped value's direction, of magnitude at most `e^bound`.
+    """
+    return x + sg(jnp.clip(x, -bound, bound) - x)
+
+
 def clamped_ratio(log_ratio: jax.Array) -> jax.Array:
-    """`exp(log_ratio)` with `|log_ratio|` clamped to `MAX_LOG_RATIO` (finite in float32)."""
-    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    """`exp(log_ratio)` with `|log_ratio|` clamped to `MAX_LOG_RATIO` (finite in float32), gradient kept."""
+    return jnp.exp(clamp_keep_gradient(log_ratio))
 
 
 def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=0.2, dual_clip_c=None):
@@ -131,7 +142,7 @@ def gmpo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.4,
     sign = jnp.sign(advantages)
     clipped = jnp.clip(log_ratio, -eps_low, eps_high)
     pessimistic = sign * jnp.minimum(sign * log_ratio, sign * clipped)
-    seq_ratio = jnp.exp(jnp.clip(_sequence_mean(pessimistic, mask), -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    seq_ratio = clamped_ratio(_sequence_mean(pessimistic, mask))
     loss = -advantages * seq_ratio[:, None]
     was_clipped = sign * clipped < sign * log_ratio
     metrics = {"clip_frac_low": (was_clipped & (log_ratio < -eps_low)).astype(jnp.float32),

@@ -5,7 +5,8 @@ divergence"), with `d = logp - target_logp`:
 
 - `k1`: `d` (unbiased, can be negative);
 - `k2`: `d^2 / 2` (its gradient is the gradient of the reverse KL's on-policy estimate);
-- `k3`: `exp(-d) + d - 1` (unbiased, >= 0); `d` is clamped so that bf16 inputs cannot overflow `exp`;
+- `k3`: `exp(-d) + d - 1` (unbiased, >= 0); `|d|` is clamped to 20 so that `exp` cannot overflow, with
+  the gradient kept beyond the clamp;
 - `full`: `sum_v p(v) (log p(v) - log q(v))` over the whole vocabulary (needs both distributions).
 """
 
@@ -16,9 +17,10 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
+from jaxrl.losses.policy import clamp_keep_gradient
+
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
-MAX_KL_LOG_RATIO = 20.0
 
 
 def kl_k1(logp: jax.Array, target_logp: jax.Array) -> jax.Array:
@@ -30,7 +32,7 @@ def kl_k2(logp: jax.Array, target_logp: jax.Array) -> jax.Array:
 
 
 def kl_k3(logp: jax.Array, target_logp: jax.Array) -> jax.Array:
-    log_ratio = jnp.clip(target_logp - logp, -MAX_KL_LOG_RATIO, MAX_KL_LOG_RATIO)
+    log_ratio = clamp_keep_gradient(target_logp - logp)
     return jnp.exp(log_ratio) - log_ratio - 1.0
 
 
