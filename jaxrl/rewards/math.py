@@ -74,18 +74,17 @@ def _last_match(pattern: re.Pattern, text: str, pos: int = 0, endpos: int | None
     return last
 
 
+_WHITESPACE = "".join(chr(c) for c in range(0x3000 + 1) if chr(c).isspace())  # what str.strip() strips
+
+
 def _clean(s: str | None) -> str | None:
-    """Strip whitespace, ``$``, markdown ``*`` at either end and trailing periods; None if empty."""
+    """Strip whitespace, ``$`` and markdown ``*`` at either end and periods at the end; None if empty.
+
+    ``str.strip`` with a character set: linear, however many ``.*`` pairs a completion ends with.
+    """
     if s is None:
         return None
-    prev = None
-    while s != prev:
-        prev = s
-        s = s.strip().strip("$").strip()
-        # Markdown bold, also unbalanced ("**Answer:** 9" leaves "** 9").
-        s = s.strip("*")
-        s = s.rstrip(".")
-    return s or None
+    return s.lstrip(_WHITESPACE + "$*").rstrip(_WHITESPACE + "$*.") or None
 
 
 def _answer_tag(text: str) -> str | None:
@@ -200,10 +199,18 @@ _UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*\{?\s*[0-9]\s*\}?)?\s*\Z")
 # Keep one space between a LaTeX command and a following letter ("\pi r").
 _SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
 # A plain number followed by words ("5 cm", "4 hours", "40 percent", "12 cm^2",
-# "5 million"); _drop_unit_words decides whether the words are units.
+# "5 million", "5cm"); _drop_unit_words decides whether the words are units.
 _PLAIN_UNITS_RE = re.compile(
-    r"([-+]?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+))[ \t]*"
+    r"([-+]?(?:[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+))([ \t]*)"
     r"([A-Za-z]{2,}\.?(?:[ \t]+[A-Za-z]{2,}\.?)*)([ \t]*\^[ \t]*\{?[0-9]\}?)?"
+)
+# Units that may follow a number without a space ("5cm", "12km^2"): only these, as "6xy" is a product.
+_ATTACHED_UNITS = frozenset(
+    "mm cm dm km in ft yd mi nm um mg kg lb lbs oz ml cl dl cc sec secs min mins hr hrs ms ns mph kph kmh"
+    " kwh mah mb gb kb tb hz khz mhz ghz kw mw gw kj cal kcal kpa atm deg rad pct usd"
+    " meter meters metre metres inch inches foot feet yard yards mile miles gram grams pound pounds ounce"
+    " ounces liter liters litre litres second seconds minute minutes hour hours day days week weeks month"
+    " months year years dollar dollars cent cents degree degrees percent units unit".split()
 )
 # A leading scale word multiplies the number ("5 million" -> 5000000).
 _SCALES = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "billion": 10**9,
@@ -212,9 +219,12 @@ _SCALES = {"hundred": 10**2, "thousand": 10**3, "million": 10**6, "billion": 10*
 # mathematics ("2 pi"), operators and bounds ("12 squared", "5 or more"), scales.
 _NOT_UNIT_WORDS = frozenset(
     "pi sqrt ln log sin cos tan exp infty infinity oo squared cubed or and more less than"
-    " fewer times plus minus over dozen".split()
+    " fewer times plus minus over dozen to".split()
 ) | frozenset(_SCALES)
 _ASSIGNMENT_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
+# A mixed number, the whole answer: "2\frac{1}{2}" is 2 + 1/2 (not the product 2 * 1/2) when the
+# fraction is proper.
+_MIXED_NUMBER_RE = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")
 _THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
@@ -223,19 +233,23 @@ def _are_unit_words(text: str) -> bool:
 
 
 def _strip_text_wrappers(s: str) -> str:
-    """Drop a trailing ``\\text{units}`` after a value; unwrap other ``\\text{X}``."""
+    """Drop a trailing ``\\text{units}`` after a value; unwrap other ``\\text{X}``
+    (``5\\text{ to 8}`` is not a unit: digits never are)."""
     last = _last_match(_TEXT_RE, s)
     if (last is not None and s[: last.start()].strip() and _UNIT_TAIL_RE.match(s, last.end())
-            and _are_unit_words(last.group(1))):
+            and not any(c.isdigit() for c in last.group(1)) and _are_unit_words(last.group(1))):
         s = s[: last.start()]
     return _TEXT_RE.sub(lambda m: m.group(1), s)
 
 
 def _drop_unit_words(m: re.Match) -> str | None:
     """The number of a ``_PLAIN_UNITS_RE`` match, scaled by a leading scale word; None if
-    a word is not a unit (``12 squared``, ``5 or more``, ``4 Pi``)."""
-    number, words = m.group(1), m.group(2).replace(".", " ").casefold().split()
-    scale = _SCALES.get(words[0]) if m.group(3) is None else None
+    a word is not a unit (``12 squared``, ``5 or more``, ``4 Pi``), or if it follows the number
+    without a space and is not one of ``_ATTACHED_UNITS`` (``6xy`` is a product)."""
+    number, space, words = m.group(1), m.group(2), m.group(3).replace(".", " ").casefold().split()
+    if not space and words[0] not in _ATTACHED_UNITS and words[0] not in _SCALES:
+        return None
+    scale = _SCALES.get(words[0]) if m.group(4) is None else None
     if scale is not None:
         words = words[1:]
     if not _are_unit_words(" ".join(words)):
@@ -256,9 +270,10 @@ def normalize_answer(s: str) -> str:
     ``40 percent``; never words that change the value: ``12 squared``, ``5 or
     more``, ``4 Pi`` stay, and a leading scale word multiplies: ``5 million`` ->
     ``5000000``), degrees (``^\\circ``), percent signs, trailing
-    periods, thousands separators (``1,234`` but not ``(1,2)``) and a leading
+    periods, thousands separators (``1,234`` but not ``(1,2)`` or the list ``2, 100``) and a leading
     single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac`` to
-    ``\\frac`` and expands ``\\frac12``/``\\sqrt2`` shorthands. Linear time.
+    ``\\frac``, expands ``\\frac12``/``\\sqrt2`` shorthands and writes a mixed number
+    (``2\\frac{1}{2}``) as one fraction (``\\frac{5}{2}``). Linear time.
     """
     if not isinstance(s, str):
         s = str(s)
@@ -272,6 +287,7 @@ def normalize_answer(s: str) -> str:
     m = _PLAIN_UNITS_RE.fullmatch(s.strip())
     if m is not None:
         s = _drop_unit_words(m) or s
+    spaced_commas = re.search(r",\s", s) is not None  # "2, 100" is a list, "2,100" a number
     s = _SPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s).strip()
     s = s.rstrip(".")
     if s.endswith("%"):
@@ -279,12 +295,16 @@ def normalize_answer(s: str) -> str:
     m = _ASSIGNMENT_RE.match(s)
     if m is not None and s.count("=") == 1:
         s = s[m.end() :]
-    if _THOUSANDS_RE.fullmatch(s):
+    if not spaced_commas and _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
     s = re.sub(r"\\frac([0-9])([0-9])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac([0-9])\{", r"\\frac{\1}{", s)
     s = re.sub(r"\\frac(\{[^{}]*\})([0-9])", r"\\frac\1{\2}", s)
     s = re.sub(r"\\sqrt ?([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)
+    m = _MIXED_NUMBER_RE.fullmatch(s)
+    if m is not None and 0 < int(m.group(3)) < int(m.group(4)):
+        sign, whole, num, den = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+        s = f"{'-' if sign == '-' else ''}\\frac{{{whole * den + num}}}{{{den}}}"
     return s.rstrip(".")
 
 
@@ -375,7 +395,8 @@ def _latex_to_sympy(s: str) -> str | None:
 
     Handles ``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (integer n in
     2..``MAX_ROOT_INDEX``), ``\\pi``, ``\\cdot``, ``\\times``, ``\\div``, ``\\infty``,
-    ``\\ln``/``\\log``/``\\sin``... (``\\sin^2 x`` is ``(\\sin x)^2``), ``^`` and ``{}``
+    ``\\ln``/``\\log``/``\\sin``... (``\\sin^2 x`` is ``(\\sin x)^2``; ``\\log_b x`` is
+    ``log(x, b)``), ``^`` and ``{}``
     grouping. Any other backslash command -> None.
     """
     # Innermost-last: the last \frac / \sqrt never contains another one.
@@ -411,6 +432,13 @@ def _latex_to_sympy(s: str) -> str | None:
         r"\\(sin|cos|tan|ln|log)\^(?:([0-9])|\{([0-9])\}) ?"
         r"(\([^()]*\)|[0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
         r"(\\\1(\4))^{\2\3}",
+        s,
+    )
+    # "\log_2 8", "\log_{10}(x)" -> "\log(8,2)": sympy's log(x, base)
+    s = re.sub(
+        r"\\log_(?:\{([^{}]+)\}|([0-9A-Za-z])) ?"
+        r"(\([^()]*\)|\{[^{}]*\}|[0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
+        lambda m: f"\\log({m.group(3)},{m.group(1) or m.group(2)})",
         s,
     )
     # "\ln 2", "\sin x", "\cos\pi" -> call syntax
@@ -743,14 +771,17 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
             return False
         if rational or degree > _MAX_SYMBOLIC_POWER:
             return agree is True  # exact at the points, or too large to simplify()
+    else:
+        # Constants: a number against a closed form is compared to rel_tol; two closed forms must agree to
+        # 50 digits (pi^{100} vs pi^{100}+sqrt(2)). Numerically first: simplify() can take minutes on a short
+        # constant ((sqrt 2+sqrt 3+sqrt 5+sqrt 7)^{99}); it only decides what the digits cannot.
+        if ea.is_Rational or eb.is_Rational:
+            return _numbers_close(ea, eb, rel_tol)
+        agree = _agree_at(ea, eb, {}, exact=False)
+        if agree is not None:
+            return agree
     diff = sympy.simplify(diff)
-    if diff == 0:
-        return True
-    if diff.is_Rational or diff.has(sympy.nan, sympy.zoo) or symbols:
-        return False  # exact non-zero difference, undefined, or symbolic
-    if ea.is_Rational or eb.is_Rational:  # a number against a closed form: rel_tol
-        return _numbers_close(ea, eb, rel_tol)
-    return _agree_at(ea, eb, {}, exact=False) is True  # two closed forms (pi^{100} vs pi^{100}+sqrt(2))
+    return diff == 0  # a non-zero, undefined or symbolic difference is not equivalence
 
 
 def _equivalent(a: str, b: str, rel_tol: float) -> bool:
@@ -801,11 +832,11 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     (exactly for rational functions, else to 50 digits; points where either is
     undefined are skipped): any disagreement gives False, agreement gives True
     for rational functions and for degrees above 16, and otherwise must be
-    confirmed by ``simplify(a - b) == 0``. Without symbols, ``simplify(a - b)``
-    decides; a plain number against a closed form is then compared to
-    ``rel_tol`` (``\\pi/2`` == ``1.5707963267948966``) and two closed forms must
-    agree to 50 digits. Anything that fails, raises or is undefined (``1/0``,
-    nan) gives False.
+    confirmed by ``simplify(a - b) == 0``. Without symbols, a plain number
+    against a closed form is compared to ``rel_tol`` (``\\pi/2`` ==
+    ``1.5707963267948966``) and two closed forms must agree to 50 digits
+    (``simplify(a - b) == 0`` decides only where they cannot be evaluated).
+    Anything that fails, raises or is undefined (``1/0``, nan) gives False.
     """
     try:
         if isinstance(reference, (int, float, Fraction)) and not isinstance(reference, bool):
