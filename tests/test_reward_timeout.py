@@ -1,6 +1,7 @@
 """`math_verify(..., timeout=...)` and `call_with_timeout`: a direct call never outlives its budget."""
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -62,3 +63,18 @@ def test_math_verify_with_timeout_agrees_with_the_plain_call_and_stays_in_budget
 def test_bad_timeout_is_an_error():
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         call_with_timeout(reward_fns.spin, (0.0,), 0.0, -1.0)
+
+
+def test_a_deadline_never_breaks_an_import_in_progress():
+    # The first math_verify imports sympy (~1 s): an alarm that interrupted that import left sympy half
+    # initialised for the rest of the process, and trigonometric identities then scored 0.
+    code = ("import sys; from jaxrl.rewards import math_verify, is_equivalent; "
+            "assert 'sympy' not in sys.modules; "
+            "first = math_verify(r'\\boxed{\\sqrt{2}\\cdot\\sqrt{2}}', '2', timeout=float(sys.argv[1])); "
+            "print(first, is_equivalent(r'\\sin(x)^2+\\cos(x)^2', '1'))")
+    for timeout_s in (0.005, 0.03):  # both well inside the import
+        out = subprocess.run([sys.executable, "-c", code, str(timeout_s)], capture_output=True, text=True,
+                             timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.returncode == 0, out.stderr
+        first, after = out.stdout.split()
+        assert first in ("0.0", "1.0") and after == "True", (timeout_s, out.stdout)

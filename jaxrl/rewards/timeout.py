@@ -3,7 +3,8 @@
 `RewardPool` already bounds every item of a batch by killing its worker. This module bounds a single
 direct call (a notebook checking one completion): in the main thread of a Unix process it arms a real-time
 interval timer whose SIGALRM interrupts the Python code (reward code guards the few C-level operations a
-signal cannot interrupt, e.g. huge powers); anywhere else (another thread, a timer already armed, no
+signal cannot interrupt, e.g. huge powers), though never an import in progress, which would leave its
+module broken for the rest of the process: the deadline then falls as soon as the import ends; anywhere else (another thread, a timer already armed, no
 SIGALRM) it runs the call in a spawned process and kills it at the deadline.
 """
 
@@ -25,8 +26,24 @@ def _can_use_alarm() -> bool:
             and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0)
 
 
+# While an import is running the deadline waits this long and looks again: a module interrupted mid-import
+# stays half-initialised in sys.modules for the rest of the process (a first sympy import takes ~1 s).
+_IMPORT_RETRY_S = 0.01
+
+
+def _inside_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _call_with_alarm(fn: Callable[..., Any], args: tuple, timeout_s: float, default: Any) -> Any:
     def on_alarm(signum, frame):
+        if _inside_import(frame):
+            signal.setitimer(signal.ITIMER_REAL, _IMPORT_RETRY_S)
+            return
         raise _Deadline
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
