@@ -15,7 +15,7 @@ def exact_match(completion: str, reference: str) -> float:
 
 
 def chaos(completion: str, reference: str):
-    """Misbehaves on command: "raise", "hang", "exit", "nan", "str", else exact match."""
+    """Misbehaves on command: "raise", "hang", "exit", "nan", "str", "huge", else exact match."""
     if completion == "raise":
         raise ValueError("boom")
     if completion == "hang":
@@ -27,6 +27,8 @@ def chaos(completion: str, reference: str):
         return float("nan")
     if completion == "str":
         return "1.0"
+    if completion == "huge":
+        return 1e300  # finite, but inf in float32
     return exact_match(completion, reference)
 
 

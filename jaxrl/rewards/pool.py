@@ -59,6 +59,7 @@ _KILL_GRACE_S = 0.2
 
 # In a worker: time.monotonic() by which the parent kills the item being scored.
 _item_deadline = math.inf
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger reward would become inf in the float32 result
 
 
 def item_deadline() -> float:
@@ -76,7 +77,7 @@ class RewardResult:
 
     Attributes:
       rewards: [N] float32; 0.0 for any item that timed out, raised, crashed its
-        worker or returned a non-finite / non-numeric value.
+        worker or returned a non-numeric value or one that is not finite in float32.
       timeouts: items killed at their deadline.
       errors: items that raised, returned garbage, or crashed their worker.
       seconds: wall time of the whole ``score()`` call.
@@ -410,7 +411,7 @@ class RewardPool:
                     continue
                 if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == w.index:
                     _, ok, value = msg
-                    if ok and isinstance(value, float) and math.isfinite(value):
+                    if ok and isinstance(value, float) and abs(value) <= _FLOAT32_MAX:  # nan fails too
                         rewards[w.index] = value
                     else:
                         errors += 1
