@@ -209,6 +209,17 @@ def test_file_size_limit():
     assert status in ("file_limit", "runtime_error")
 
 
+def test_many_files_cannot_fill_the_disk():
+    # RLIMIT_FSIZE caps each file, not how many: the run's dir is a tmpfs of max(16, 4 x file_size_mb) MB
+    # plus the program, so 64 files of 1 MB stop at about 16 MB (all 64 reached the host disk before).
+    code = ("import os\nwritten = 0\ntry:\n    for i in range(64):\n"
+            "        with open(f'f{i}', 'wb') as f:\n            f.write(b'x' * 2**20)\n        written += 1\n"
+            "except OSError as e:\n    print(written, e.errno)\nelse:\n    print(written, 0)\n")
+    status, out, _ = run_program(code, "", SandboxLimits(wall_time_s=5.0, file_size_mb=1))
+    written, errno_ = map(int, out.split())
+    assert status == "ok" and errno_ == 28 and 10 <= written <= 16, out  # ENOSPC
+
+
 def test_environment_secrets_not_visible(monkeypatch):
     monkeypatch.setenv("JAXRL_TEST_SECRET", "s3cr3t")
     code = (
@@ -261,6 +272,26 @@ def test_degrades_without_namespaces(monkeypatch):
     # no mount namespace can expose it: then the sandbox refuses to run (never as root).
     assert result.cases[0].status in ("ok", "sandbox_error")
     assert code_reward(_completion(SQUARE), _reference(TESTS[:1])) in (0.0, 1.0)
+
+
+def test_deeply_nested_dirs_are_removed():
+    # Where no mount namespace gives the program a tmpfs, it writes to the real sandbox dir: shutil.rmtree
+    # of 3000 nested dirs raised RecursionError, so run_program raised, the dir stayed, and every later
+    # process's sweep of orphaned dirs raised too (its first code_reward then scored 0).
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path = os.path.join(tempfile.gettempdir(), f"jaxrl_sandbox_{int(dead.stdout)}_deep")
+    os.mkdir(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(3000):  # fd-relative: the path grows past PATH_MAX
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(fd)
+    try:
+        sandbox._remove_orphaned_dirs()
+        assert not os.path.exists(path)
+    finally:
+        subprocess.run(["rm", "-rf", "--", path], check=False)
 
 
 def test_the_caller_is_never_forked():
@@ -462,10 +493,9 @@ def test_code_reward_in_a_pool_stops_before_the_pool_kills_it():
 
 
 def _tagged_sleeper(tag: str) -> str:
-    """A program that marks its sandbox dir with ``tag``, then sleeps in a process with ``tag`` in its argv."""
+    """A program with ``tag`` in its text that sleeps in a process with ``tag`` in its argv."""
     return (
         "import os, sys\n"
-        f"open({tag!r}, 'w').close()\n"
         f"os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(25)', {tag!r}])\n"
     )
 
@@ -475,7 +505,14 @@ def _tagged_processes(tag: str) -> list:
 
 
 def _tagged_dirs(tag: str) -> list[str]:
-    return glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl_sandbox_*", tag))
+    """The host's sandbox dirs whose program (written there by the caller) contains ``tag``."""
+    def holds_tag(path):
+        try:
+            with open(os.path.join(path, "prog.py")) as f:
+                return tag in f.read()
+        except OSError:
+            return False
+    return [d for d in glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl_sandbox_*")) if holds_tag(d)]
 
 
 def _wait_until(condition, timeout_s: float) -> bool:
@@ -494,7 +531,7 @@ def tag():
     for p in _tagged_processes(tag):  # only reached when the test failed
         p.kill()
     for path in _tagged_dirs(tag):
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_without_deadline(completion: str, reference: str) -> float:

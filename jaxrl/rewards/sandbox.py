@@ -51,8 +51,10 @@ permitted):
   this actually happened; when not permitted, the program simply runs with the
   host network);
 * mount: ``/`` is made private, fresh size-limited tmpfs are mounted over the
-  world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` (the
-  sandbox dir is bind-mounted back at its own path), and, with a PID namespace,
+  world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock``, the
+  run's own dir is a tmpfs too (at the sandbox dir's path, holding copies of its
+  files, capped at max(16, 4 x ``file_size_mb``) MB more: RLIMIT_FSIZE bounds one
+  file, this bounds them all, so no run can fill the host disk), and, with a PID namespace,
   a fresh ``/proc`` is mounted so host processes (and their ``environ``) are
   invisible. Writes to those dirs vanish with the namespace;
 * PID: the program runs under a tiny init process; when the run ends the
@@ -69,6 +71,14 @@ Known gaps (honest list):
   uid and, without a PID namespace, could read ``/proc/<pid>/environ`` of the
   caller's other processes. RLIMIT_NPROC then counts all of the caller's
   processes.
+* Memory is limited per process (RLIMIT_AS; Linux has no per-user or per-group
+  rlimit for it, only cgroups, which an unprivileged caller rarely may create), so
+  a program that forks can hold up to ``memory_mb`` x ``max_processes`` (16 GiB
+  with the defaults). Lower ``max_processes`` where that matters; RLIMIT_NPROC
+  counts the processes of the uid the program runs as (every concurrent run's as
+  "nobody").
+* Without a mount namespace the program's files land in the sandbox dir on the
+  host disk, bounded only per file by RLIMIT_FSIZE.
 * An interpreter under a directory "nobody" cannot enter (pyenv in ``/root``)
   is exposed by a tmpfs over that directory plus a bind mount of the prefix,
   which also hides the rest of it (``~root``). Without a mount namespace this
@@ -137,7 +147,7 @@ class SandboxLimits:
 
     wall_time_s: float = 5.0  # wall clock per test case
     cpu_time_s: float = 2.0  # RLIMIT_CPU (soft; hard is +1 s)
-    memory_mb: int = 512  # RLIMIT_AS
+    memory_mb: int = 512  # RLIMIT_AS, per process (see the known gaps)
     file_size_mb: int = 4  # RLIMIT_FSIZE
     max_processes: int = 32  # RLIMIT_NPROC (only effective for a non-root uid)
     max_output_bytes: int = 65536  # per stream; more is discarded and kills the run
@@ -372,7 +382,7 @@ def _remove_orphaned_dirs() -> None:
     for name in names:
         m = re.fullmatch(rf"{_DIR_PREFIX}(\d+)_[a-z0-9_]+", name)
         if m and not _pid_exists(int(m.group(1))):
-            shutil.rmtree(os.path.join(root, name), onerror=_force_remove)
+            _remove_dir(os.path.join(root, name))
 
 
 def _read_now(fd: int) -> bytes:
@@ -462,7 +472,23 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
                 os.close(fd)
         if case_file is not None:
             case_file.close()
-        shutil.rmtree(tmpdir, onerror=_force_remove)
+        _remove_dir(tmpdir)
+
+
+def _remove_dir(path: str) -> None:
+    """Delete a sandbox dir; never raises. ``shutil.rmtree`` recurses once per level, so a program that
+    nested thousands of directories (possible where no mount namespace gives it a tmpfs of its own) made
+    it raise RecursionError: ``rm -rf`` then finishes the job at any depth."""
+    try:
+        shutil.rmtree(path, onerror=_force_remove)
+    except RecursionError:
+        pass
+    for argv in (["chmod", "-R", "u+rwx", "--", path], ["rm", "-rf", "--", path]):
+        if os.path.lexists(path):
+            try:
+                subprocess.run(argv, capture_output=True, check=False, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                pass
 
 
 def _force_remove(func, path, exc_info) -> None:

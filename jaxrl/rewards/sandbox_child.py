@@ -34,6 +34,9 @@ NOBODY = 65534
 SETUP_FAILED = 125  # exit status of a launcher whose set-up failed
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _TMPFS_SIZE = "size=16m,mode=1777"
+# The run's own dir (a tmpfs too, see _private_work_dir): its files plus room for this many files of the
+# largest size RLIMIT_FSIZE allows, and at least _WORK_DIR_MIN_MB.
+_WORK_DIR_FILES, _WORK_DIR_MIN_MB = 4, 16
 
 # <sched.h> / <sys/mount.h> / <sys/prctl.h>
 _CLONE_NEWNS = 0x00020000
@@ -230,12 +233,37 @@ class Confinement:
         for d in _WORLD_WRITABLE:
             if os.path.isdir(d) and not os.path.islink(d):
                 _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
-        # cwd still refers to the real sandbox dir, which a tmpfs may now hide: bind it back.
-        os.makedirs(self.tmpdir, exist_ok=True)
-        _mount(".", self.tmpdir, None, _MS_BIND)
-        os.chdir(self.tmpdir)
+        self._private_work_dir()
         if fresh_proc:
             _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
+    def _private_work_dir(self) -> None:
+        """A size-capped tmpfs at the sandbox dir's path, holding copies of its files, as the cwd.
+
+        RLIMIT_FSIZE caps each file, not their number: on the host disk a run could fill it in a second
+        (``fallocate`` of many files). cwd still refers to the real dir, which the /tmp tmpfs may hide.
+        """
+        real = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            files = [e for e in os.scandir(real) if e.is_file(follow_symlinks=False)]
+            size = sum(e.stat(follow_symlinks=False).st_size for e in files)
+            cap = size + max(_WORK_DIR_MIN_MB, _WORK_DIR_FILES * int(self.limits["file_size_mb"])) * 2**20
+            os.makedirs(self.tmpdir, exist_ok=True)
+            _mount("tmpfs", self.tmpdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={cap},mode=1777")
+            for entry in files:
+                src = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=real)
+                dst = os.open(os.path.join(self.tmpdir, entry.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    while chunk := os.read(src, 1 << 20):
+                        os.write(dst, chunk)
+                    if self.is_root:
+                        os.fchown(dst, NOBODY, NOBODY)
+                finally:
+                    os.close(src)
+                    os.close(dst)
+        finally:
+            os.close(real)
+        os.chdir(self.tmpdir)
 
     def _set_rlimits(self) -> None:
         lim = self.limits
