@@ -33,7 +33,8 @@ def main() -> None:
     for name in args.presets:
         out = f"runs/presets{'-' + args.tag if args.tag else ''}-{name}"
         config = load_config(Config, args.config, [*args.overrides, f"rl.loss.preset={name}", *EXTRA.get(name, []),
-                                                   f"seed={args.seed}", f"output_dir={out}", "progress=false"])
+                                                   f"seed={args.seed}", f"output_dir={out}", "overwrite=true",
+                                                   "progress=false"])
         summary = run(config, config_source=args.config)
         curve = {r["step"]: r["eval/accuracy"] for r in read_metrics(f"{out}/metrics.jsonl")
                  if r.get("eval/accuracy") is not None}

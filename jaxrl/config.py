@@ -271,6 +271,9 @@ class Config:
     # Go on from the newest checkpoint in output_dir (parameters, optimizer state, critic, controls, data
     # position, RL step): the result equals an uninterrupted run's. The model must be the checkpoint's.
     resume: bool = False
+    # A fresh run refuses an output_dir that holds another run's checkpoints unless this is set: then that
+    # run's checkpoints and metrics are deleted (a restarted job that forgot resume=true loses nothing).
+    overwrite: bool = False
     model: ModelConfig = _section(ModelConfig)
     pretrained: PretrainedConfig = _section(PretrainedConfig)
     tokenizer: TokenizerConfig = _section(TokenizerConfig)

@@ -403,6 +403,20 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
     out = config.output_dir
     resume_step = resume_point(config) if config.resume else None
+    if resume_step is None:
+        _check_fresh_output_dir(config)
+
+    # Data, policy and tokenizer: everything that can refuse the config runs before the output dir changes.
+    t0 = time.perf_counter()
+    train_problems, eval_problems, corpus, data_totals = load_task(config)
+    layout = layout_from(config.mesh)
+    mesh = layout.mesh
+    check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
+    os.makedirs(out, exist_ok=True)
+    policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
+    if tokenizer.vocab_size > policy.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{policy.config.vocab_size} embeddings")
     if is_primary():
         if resume_step is None:
             _prepare_output_dir(out)
@@ -410,20 +424,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
             _truncate_metrics(os.path.join(out, "metrics.jsonl"), resume_step)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(configlib.dump_yaml(config))
-
-    # Data, policy and tokenizer.
-    t0 = time.perf_counter()
-    train_problems, eval_problems, corpus, data_totals = load_task(config)
-    layout = layout_from(config.mesh)
-    mesh = layout.mesh
-    check_batch_sizes(config, dict(mesh.shape))
-    policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
-    if is_primary():  # the model this run trains (for a pretrained run, not config.model): read by load_policy
-        with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:
+        with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:  # the model this run trains: read by load_policy
             f.write(configlib.dump_yaml(policy.config))
-    if tokenizer.vocab_size > policy.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{policy.config.vocab_size} embeddings")
     generate = Generator.fitting([p.prompt for p in train_problems + eval_problems], tokenizer, mesh,
                                  config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
                                  config.tokenizer.stop_strings)
@@ -552,18 +554,25 @@ def _critic(config: Config, policy):
     return init_critic(trunk)
 
 
-def check_batch_sizes(config: Config, mesh_shape: dict[str, int]) -> None:
-    """Every batch of the run must split evenly over the data-parallel axes (`data` x `fsdp`): raise a
-    `ValueError` naming the config fields and the numbers otherwise, before anything is compiled."""
+def check_batch_sizes(config: Config, mesh_shape: dict[str, int], data_shards: int = 1) -> None:
+    """Every batch of the run must split evenly over the data-parallel axes (`data` x `fsdp`), and the RL
+    prompts over the `data_shards` processes that load distinct rows: raise a `ValueError` naming the config
+    fields and the numbers otherwise, before anything is compiled or written."""
     parallel = mesh_shape["data"] * mesh_shape["fsdp"]
     where = f"the data-parallel size {parallel} (mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']})"
     batches = {"rl.prompts_per_step x rl.group_size": config.rl.prompts_per_step * config.rl.group_size,
                "eval.batch_size": config.eval.batch_size}
     if config.sft.steps:
         batches["sft.batch_size"] = config.sft.batch_size
+    if config.eval.samples:  # the sampled evaluation prefills eval.batch_size // eval.samples problems per call
+        batches["eval.batch_size // eval.samples"] = max(1, config.eval.batch_size // config.eval.samples)
     for name, rows in batches.items():
         if rows % parallel:
             raise ValueError(f"{name} = {rows} rows do not split over {where}; use a multiple of {parallel}")
+    if config.rl.prompts_per_step % data_shards:
+        raise ValueError(f"rl.prompts_per_step ({config.rl.prompts_per_step}) does not split over the "
+                         f"{data_shards} data shards of the processes (one per process holding distinct rows of "
+                         "the batch)")
 
 
 def _metrics_path(out: str) -> str:
@@ -660,10 +669,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                                                          ref_policy if keep_ref else None)
         ref_policy = ref_policy if keep_ref else state.policy
         first_step = resume_step + 1
-    shard, shards = data_shard(generate.mesh)
-    if rl.prompts_per_step % shards:
-        raise ValueError(f"rl.prompts_per_step ({rl.prompts_per_step}) does not split over the {shards} data "
-                         "shards of the processes (one per process holding distinct rows of the batch)")
+    shard, shards = data_shard(generate.mesh)  # rl.prompts_per_step splits over them: check_batch_sizes
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
     if resume_step is not None:
         prompts_iter.set_state(metadata["prompt_iterator"])
@@ -909,7 +915,8 @@ class _PreemptionFlag:
 
 def resume_point(config: Config) -> int:
     """The RL step of the newest checkpoint of the run in `config.output_dir`, after checking that the run
-    exists and that its model and critic are the ones `config` describes. Raises `CheckpointError`."""
+    exists and that its model, critic and data stream are the ones `config` describes. Raises
+    `CheckpointError`."""
     out = config.output_dir
     directory = os.path.join(out, "checkpoints")
     step = Checkpointer.newest(directory)
@@ -922,10 +929,11 @@ def resume_point(config: Config) -> int:
     except (OSError, configlib.ConfigError) as e:
         raise CheckpointError(f"resume=true: cannot read the resumed run's config {saved_path}: {e}") from None
     now, then = configlib.to_dict(config), configlib.to_dict(saved)
+    # The model, and what the saved data position means (the task, the prompt files, prompts per step).
     mismatches = [f"{section}.{key}: checkpoint {then[section].get(key)!r}, config {value!r}"
-                  for section in ("model", "pretrained") for key, value in now[section].items()
+                  for section in ("model", "pretrained", "task", "data") for key, value in now[section].items()
                   if key not in ("attention_impl", "remat", "export_hf") and then[section].get(key) != value]
-    for key in ("seed", "rl.critic.model", "rl.loss.preset"):
+    for key in ("seed", "rl.critic.model", "rl.loss.preset", "rl.prompts_per_step"):
         a, b = now, then
         for part in key.split("."):
             a, b = a[part], b[part]
@@ -961,7 +969,7 @@ def _truncate_metrics(path: str, step: int) -> None:
     for file in (path, os.path.join(os.path.dirname(path), "timings.jsonl")):
         if not os.path.exists(file):
             continue
-        kept = [r for r in read_metrics(file)
+        kept = [r for r in read_metrics(file, torn_tail_ok=True)  # a crash may have cut the last write short
                 if r.get("phase") != "rl" or (r["step"] <= step and not r.get("final"))]
         tmp = file + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -1001,9 +1009,25 @@ def _checkpoint_state(state: TrainState, controls: Controls, ref_policy=None) ->
     return saved
 
 
+def _check_fresh_output_dir(config: Config) -> None:
+    """A fresh run may take over `output_dir` only if no run's checkpoints are there, or with overwrite=true."""
+    out = config.output_dir
+    step = Checkpointer.newest(os.path.join(out, "checkpoints"))
+    if step is None:
+        return
+    if config.pretrained.path is not None and os.path.realpath(config.pretrained.path) == os.path.realpath(out):
+        raise ValueError(f"pretrained.path is output_dir ({out}): a run cannot start from the run it would "
+                         "replace; choose another output_dir")
+    if config.overwrite:
+        return
+    raise ValueError(f"output_dir {out} holds a run with checkpoints (the newest after RL step {step}): "
+                     "resume=true continues it, overwrite=true deletes it and starts again, or choose another "
+                     "output_dir")
+
+
 def _prepare_output_dir(out: str) -> None:
-    """A fresh run owns its output directory: stale metrics and checkpoints of an earlier run are removed."""
-    os.makedirs(out, exist_ok=True)
+    """A fresh run owns its output directory (see `_check_fresh_output_dir`): stale metrics and checkpoints
+    of an earlier run are removed."""
     for name in ("metrics.jsonl", "timings.jsonl", "summary.json", "reward_accuracy.png"):
         path = os.path.join(out, name)
         if os.path.exists(path):

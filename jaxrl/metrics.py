@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -82,9 +83,24 @@ def tensorboard_writer(directory: str | os.PathLike):
     return SummaryWriter(logdir=os.fspath(directory), flush_secs=10)
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_metrics(path: str | os.PathLike, *, torn_tail_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of a JSONL metrics file. A line that is not JSON raises a `ValueError` naming the file
+    and line, except, with `torn_tail_ok`, an unterminated last line (a write cut short by a crash), which is
+    dropped with a warning: the resumed run writes that record again."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if torn_tail_ok and number == len(lines):  # no newline after it
+                logging.getLogger("jaxrl").warning("%s:%d: dropped a partly written last record", path, number)
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record ({e.msg})") from None
+    return records
 
 
 def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:

@@ -1,6 +1,7 @@
 """Run records and the run's plot."""
 
 import matplotlib
+import pytest
 
 from jaxrl.metrics import plot_run
 
@@ -18,3 +19,17 @@ def test_plot_run_writes_a_png_and_leaves_the_matplotlib_backend_alone(tmp_path)
     finally:
         matplotlib.use(previous)
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_read_metrics_names_a_bad_line_and_may_drop_a_torn_last_one(tmp_path, caplog):
+    from jaxrl.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"phase": "rl", "step": 3, "reward/me')  # killed mid-write
+    with pytest.raises(ValueError, match=r"metrics.jsonl:3: not a JSON record"):
+        read_metrics(path)
+    assert read_metrics(path, torn_tail_ok=True) == [{"step": 1}, {"step": 2}]
+    assert "metrics.jsonl:3: dropped a partly written last record" in caplog.text
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damage inside the file is never dropped
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_metrics(path, torn_tail_ok=True)

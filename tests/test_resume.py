@@ -86,6 +86,8 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     process = _interrupted(out, signal.SIGKILL, 4, *extra)
     assert process.returncode == -signal.SIGKILL
     assert not (out / "checkpoints" / "12").exists(), "the run finished before it could be killed"
+    with open(out / "metrics.jsonl", "a") as f:  # as if the kill had cut a record short
+        f.write('{"phase": "rl", "step": 7, "reward/me')
     resumed = _train(out, "resume=true", *extra)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
@@ -130,6 +132,10 @@ def test_bad_resumes_name_the_problem(tmp_path):
     other_shape = _train(out, "rl.steps=8", "model.hidden_size=64", "resume=true")
     assert other_shape.returncode == 2
     assert "model.hidden_size: checkpoint 32, config 64" in other_shape.stderr, other_shape.stderr[-2000:]
+    other_data = _train(out, "rl.steps=8", "rl.prompts_per_step=8", "task.num_train=300", "resume=true")
+    assert other_data.returncode == 2  # the saved data position would index another stream
+    assert "task.num_train: checkpoint 200, config 300" in other_data.stderr, other_data.stderr[-2000:]
+    assert "rl.prompts_per_step: checkpoint 4, config 8" in other_data.stderr
 
     for name in os.listdir(out / "checkpoints" / "4" / "state"):  # damage the saved arrays
         path = out / "checkpoints" / "4" / "state" / name

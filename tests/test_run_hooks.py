@@ -4,6 +4,8 @@ reward function passed in Python (`run(reward_fn=...)`)."""
 import os
 import sys
 
+import pytest
+
 from jaxrl import loop
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
@@ -33,3 +35,25 @@ def test_runs_start_from_a_warm_start_only_run_and_take_a_reward_function(tmp_pa
     # Training and evaluation scored every completion with the reward passed in.
     assert [r["reward/mean"] for r in records if "reward/mean" in r] == [0.25]
     assert branch["accuracy_before_rl"] == branch["accuracy_after_rl"] == 0.25
+
+
+def test_a_fresh_run_never_takes_over_another_runs_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    overrides = [*TINY, "rl.steps=0", f"output_dir={out}"]
+    loop.run(load_config(Config, "configs/default.yaml", overrides))
+    metrics = (out / "metrics.jsonl").read_bytes()
+    # Restarted without resume=true (a preempted job's command): refused before anything in the dir changes,
+    # and so is a config that fails later checks.
+    for extra in ([], ["mesh.data=2"]):
+        with pytest.raises(ValueError, match="holds a run with checkpoints .* resume=true .* overwrite=true"):
+            loop.run(load_config(Config, "configs/default.yaml", [*overrides, *extra]))
+    with pytest.raises(ValueError, match="pretrained.path is output_dir"):
+        loop.run(load_config(Config, "configs/default.yaml", [
+            *overrides, f"pretrained.path={out}", "sft.steps=0", "overwrite=true"]))
+    assert (out / "metrics.jsonl").read_bytes() == metrics and os.path.isdir(out / "checkpoints" / "0")
+    # a check that fails after the output-dir check (here: the mesh) also leaves the run as it was
+    with pytest.raises(ValueError, match="mesh"):
+        loop.run(load_config(Config, "configs/default.yaml", [*overrides, "overwrite=true", "mesh.data=2"]))
+    assert (out / "metrics.jsonl").read_bytes() == metrics and os.path.isdir(out / "checkpoints" / "0")
+    loop.run(load_config(Config, "configs/default.yaml", [*overrides, "overwrite=true", "seed=1"]))
+    assert (out / "metrics.jsonl").read_bytes() != metrics and os.path.isdir(out / "checkpoints" / "0")

@@ -283,6 +283,13 @@ def test_batches_that_do_not_split_over_the_data_axes_are_refused_before_any_wor
     config = dataclasses.replace(Config(), eval=dataclasses.replace(Config().eval, batch_size=100))
     with pytest.raises(ValueError, match=r"eval.batch_size = 100 rows do not split over the data-parallel size 8"):
         check_batch_sizes(config, {"data": 4, "fsdp": 2, "tensor": 1})
+    # the sampled evaluation prefills eval.batch_size // eval.samples problems per call (found after training)
+    sampled = dataclasses.replace(Config(), eval=dataclasses.replace(Config().eval, batch_size=16, samples=3))
+    with pytest.raises(ValueError, match=r"eval.batch_size // eval.samples = 5 rows do not split over the "
+                                         r"data-parallel size 2"):
+        check_batch_sizes(sampled, {"data": 2, "fsdp": 1, "tensor": 1})
+    with pytest.raises(ValueError, match=r"rl.prompts_per_step \(16\) does not split over the 3 data shards"):
+        check_batch_sizes(Config(), {"data": 1, "fsdp": 1, "tensor": 1}, data_shards=3)
 
 
 def test_cli_reports_a_mesh_that_does_not_fit(tmp_path, capsys):
