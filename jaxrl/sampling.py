@@ -92,8 +92,8 @@ def filter_logits(logits: jax.Array, config: SamplingConfig, temperature: jax.Ar
     `temperature` (a traced scalar) replaces `config.temperature` when given.
     """
     logits = logits / (config.temperature if temperature is None else temperature)
-    if config.top_k:
-        kth = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
+    if config.top_k:  # k beyond the vocabulary keeps everything, as in transformers
+        kth = jax.lax.top_k(logits, min(config.top_k, logits.shape[-1]))[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if config.top_p < 1.0:
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
@@ -188,13 +188,17 @@ def sample(
         a stop string's encoding: `stop_sequences_for`). The sequence is part of the completion;
         `finish_reason` is FINISH_EOS.
 
-    Raises `ValueError` before compiling for an empty prompt, a token id outside the vocabulary, a prompt
-    plus `max_new_tokens` beyond the model's `max_position_embeddings`, or `group_size < 1`.
+    Raises `ValueError` before compiling for an empty prompt, a token id outside the vocabulary (in a prompt,
+    its padding or `pad_id`; `eos_id` may be -1: never sampled), a prompt plus `max_new_tokens` beyond the
+    model's `max_position_embeddings`, or `group_size < 1`.
     """
     _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
     stop_sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences)
     if any(not seq for seq in stop_sequences):
         raise ValueError("stop_sequences: every stop sequence needs at least one token id")
+    if not 0 <= pad_id < policy.config.vocab_size:  # fed back after a completion ends: beyond the table, NaN
+        raise ValueError(f"pad_id: token id {pad_id} is outside the model's vocabulary "
+                         f"[0, {policy.config.vocab_size})")
     return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
                    group_size=group_size, stop_sequences=stop_sequences)
 
@@ -226,12 +230,14 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
     if not valid[:, -1].all():
         raise ValueError(f"prompt row {first + int(np.flatnonzero(~valid[:, -1])[0])} is not left-padded: its "
                          "last column is padding")
-    bad = valid & ((tokens < 0) | (tokens >= policy.config.vocab_size))
+    # Padding slots too: masked attention multiplies their value by 0, and 0 x NaN (an id beyond the
+    # embedding table) is NaN in every real position of the row.
+    bad = (tokens < 0) | (tokens >= policy.config.vocab_size)
     if bad.any():
         row, col = map(int, np.argwhere(bad)[0])
-        row += first
-        raise ValueError(f"prompt row {row}, position {col}: token id {int(tokens[row, col])} is outside the "
-                         f"model's vocabulary [0, {policy.config.vocab_size})")
+        slot = "" if valid[row, col] else " (a padding slot)"
+        raise ValueError(f"prompt row {row + first}, position {col}{slot}: token id {int(tokens[row, col])} is "
+                         f"outside the model's vocabulary [0, {policy.config.vocab_size})")
 
 
 def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]:

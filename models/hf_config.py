@@ -28,6 +28,13 @@ TRAITS: dict[str, dict[str, Any]] = {  # what each family fixes, whatever its co
     "qwen3": {**_PLAIN, "qk_norm": True},
     "gemma3": dict(norm_offset=1.0, post_norms=True, scale_embeddings=True, qk_norm=True, activation="gelu_tanh"),
 }
+# transformers' config-class defaults for keys that change the outputs, where they differ from the fallbacks
+# below (a hand-written config.json may leave them out; released checkpoints spell them all out).
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "rope_local_base_freq": 10_000.0, "rope_theta": 1e6},
+    "qwen3": {"head_dim": 128},
+}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -57,6 +64,7 @@ def from_hf(raw: dict[str, Any], source: str = "config.json", *, dtype: str | No
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported{hint}; supported: "
                           f"{', '.join(sorted(ARCHITECTURES))}")
     family = ARCHITECTURES[model_type][0]
+    raw = {**_CLASS_DEFAULTS.get(model_type, {}), **raw}
     for key, value, why in (("mlp_bias", False, "biased MLP projections"),
                             ("use_bidirectional_attention", False, "bidirectional attention"),
                             ("pretraining_tp", 1, "tensor-parallel pretraining slices")):
@@ -131,11 +139,15 @@ def _rope(raw: dict, family: str, source: str) -> tuple[float, RopeScaling, floa
     """`(rope_theta, scaling, local_rope_theta)`; global-layer values for Gemma 3."""
     params = raw.get("rope_parameters")
     if params:  # transformers 5.x
+        # a rope_theta missing there is the top-level one, as transformers 5 reads it
+        top, top_local = raw.get("rope_theta"), raw.get("rope_local_base_freq")
         if family == "gemma3" and "full_attention" in params:
             full, local = params["full_attention"], params.get("sliding_attention") or {}
-            return (float(full.get("rope_theta", 1e6)), _rope_scaling(full, source, "rope_parameters.full_attention"),
-                    float(local.get("rope_theta", 10_000.0)))
-        return float(params.get("rope_theta", 10_000.0)), _rope_scaling(params, source, "rope_parameters"), None
+            return (float(full.get("rope_theta", top or 1e6)),
+                    _rope_scaling(full, source, "rope_parameters.full_attention"),
+                    float(local.get("rope_theta", top_local or 10_000.0)))
+        return (float(params.get("rope_theta", top or 10_000.0)), _rope_scaling(params, source, "rope_parameters"),
+                None)
     theta = float(raw.get("rope_theta") or (1e6 if family == "gemma3" else 10_000.0))
     local = float(raw.get("rope_local_base_freq") or 10_000.0) if family == "gemma3" else None
     return theta, _rope_scaling(raw.get("rope_scaling"), source, "rope_scaling"), local

@@ -82,6 +82,23 @@ def test_config_variants_and_unknown_keys():
     assert hf_config.from_hf({**_raw(), "torch_dtype": "bfloat16", "dtype": None}).param_dtype == "bfloat16"
 
 
+def test_missing_keys_take_transformers_defaults():
+    # A hand-written Gemma 3 config.json without the attention keys: transformers' Gemma3TextConfig defaults
+    # (query_pre_attn_scalar 256, sliding window 4096 on 5 of every 6 layers, 4 KV heads, head_dim 256).
+    keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+    bare = {k: v for k, v in _raw("gemma3", "transformers4").items() if k in keep}
+    gemma = hf_config.from_hf({**bare, "num_hidden_layers": 6, "num_attention_heads": 8})
+    assert (gemma.query_scale, gemma.num_kv_heads, gemma.head_dim) == (256 ** -0.5, 4, 256)
+    assert (gemma.sliding_window, gemma.layer_types) == (4096, ("sliding",) * 5 + ("full",))
+    assert (gemma.rope_theta, gemma.local_rope_theta) == (1e6, 1e4)
+    qwen3 = {k: v for k, v in _raw("qwen3").items() if k != "head_dim"}
+    assert hf_config.from_hf(qwen3).head_dim == 128
+    # rope_parameters without its own rope_theta: the top-level one, as transformers 5 reads it
+    raw = {**_raw("qwen2"), "rope_theta": 1e6, "rope_parameters": {"rope_type": "default"}}
+    assert hf_config.from_hf(raw).rope_theta == 1e6
+
+
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"model_type": "gemma3"}, "multimodal Gemma 3"),

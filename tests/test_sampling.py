@@ -126,6 +126,11 @@ def test_policy_logp_is_the_unmodified_distribution():
     assert sample(policy, tokens, valid, jax.random.key(3), SamplingConfig(4), EOS, PAD).policy_logp is None
 
 
+def test_top_k_beyond_the_vocabulary_keeps_everything():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    np.testing.assert_array_equal(filter_logits(logits, SamplingConfig(top_k=100)), logits)
+
+
 def test_min_p_filter():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     kept = filter_logits(logits, SamplingConfig(min_p=0.2))  # threshold 0.2 * 0.5 = 0.1
@@ -137,6 +142,8 @@ def test_min_p_filter():
     (lambda t, v: (t.at[0, 5].set(CONFIG.vocab_size), v), "row 0, position 5: token id 24 is outside"),
     (lambda t, v: (t.at[2, 5].set(-1), v), "token id -1 is outside"),
     (lambda t, v: (t, v.at[0, 5].set(False)), "not left-padded"),
+    # a padding slot beyond the embedding table read NaN, and masked attention spread it over the row
+    (lambda t, v: (t.at[2, 1].set(CONFIG.vocab_size), v), r"row 2, position 1 \(a padding slot\): token id 24"),
 ])
 def test_bad_prompts_stop_before_compiling(edit, match):
     policy = models.init(CONFIG, 0)
@@ -157,6 +164,8 @@ def test_bad_lengths_and_settings():
         SamplingConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), EOS, PAD, group_size=0)
+    with pytest.raises(ValueError, match=r"pad_id: token id 24 is outside the model's vocabulary \[0, 24\)"):
+        sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), EOS, CONFIG.vocab_size)
 
 
 def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tmp_path):
