@@ -417,11 +417,14 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
+    metrics_path = _metrics_path(out)  # each process keeps its own records: process_<i>/ for i > 0
+    if resume_step is None:
+        _remove_records(metrics_path)
+    else:
+        _truncate_metrics(metrics_path, resume_step)
     if is_primary():
         if resume_step is None:
             _prepare_output_dir(out)
-        else:
-            _truncate_metrics(os.path.join(out, "metrics.jsonl"), resume_step)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(configlib.dump_yaml(config))
         with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:  # the model this run trains: read by load_policy
@@ -435,7 +438,6 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
     checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
-    metrics_path = _metrics_path(out)
     tensorboard_dir = os.path.join(out, "tensorboard") if config.tensorboard and is_primary() else None
     with MetricsWriter(metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"),
                        tensorboard_dir) as writer, \
@@ -679,6 +681,9 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     loss_key = jax.random.fold_in(jax.random.key(config.seed), 5)  # the loss's own draws (Clip-Cov)
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0}
     consecutive_skips = 0
+    if resume_step is not None:  # the run's counts so far (checkpoints before 2026-11-23 did not save them)
+        totals.update(metadata.get("totals", {}))
+        consecutive_skips = metadata.get("consecutive_skips", 0)
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=rl.sampling.max_new_tokens)
     greedy = dataclasses.replace(rl.sampling, temperature=0.0)
     background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
@@ -743,7 +748,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     def save(step: int, phase: str) -> None:
         flush()  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
         checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
-                          {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step})
+                          {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
+                           "totals": dict(totals), "consecutive_skips": consecutive_skips})
 
     if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
         save(0, "done")
@@ -1026,10 +1032,18 @@ def _check_fresh_output_dir(config: Config) -> None:
 
 
 def _prepare_output_dir(out: str) -> None:
-    """A fresh run owns its output directory (see `_check_fresh_output_dir`): stale metrics and checkpoints
-    of an earlier run are removed."""
-    for name in ("metrics.jsonl", "timings.jsonl", "summary.json", "reward_accuracy.png"):
+    """A fresh run owns its output directory (see `_check_fresh_output_dir`): the summary, plot, TensorBoard
+    events and checkpoints of an earlier run are removed (each process removes its own records)."""
+    for name in ("summary.json", "reward_accuracy.png"):
         path = os.path.join(out, name)
         if os.path.exists(path):
             os.remove(path)
-    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    for name in ("checkpoints", "tensorboard"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+
+
+def _remove_records(metrics_path: str) -> None:
+    """A fresh run's process starts its `metrics.jsonl` and `timings.jsonl` empty."""
+    for path in (metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl")):
+        if os.path.exists(path):
+            os.remove(path)

@@ -71,3 +71,10 @@ def crash(_: float) -> float:
 def quarter(completion: str, reference: str) -> float:
     """0.25 for every completion: a reward no built-in function gives, to see which one a run used."""
     return 0.25
+
+
+def fails_on_odd_length(completion: str, reference: str) -> float:
+    """Raises for a completion of odd length (a deterministic reward error), else 1.0."""
+    if len(completion) % 2:
+        raise ValueError("odd length")
+    return 1.0

@@ -26,6 +26,8 @@ def _records(path):
 
 def test_two_processes_train_the_default_recipe_and_agree(tmp_path):
     out = tmp_path / "run"
+    (out / "process_1").mkdir(parents=True)  # an earlier run's records: a fresh run starts them empty
+    (out / "process_1" / "metrics.jsonl").write_text('{"phase": "rl", "step": 99}\n')
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     overrides = [f"output_dir={out}", "progress=false", "sft.steps=40", "rl.steps=3", "eval.every=2",

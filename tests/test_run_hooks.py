@@ -57,3 +57,17 @@ def test_a_fresh_run_never_takes_over_another_runs_checkpoints(tmp_path):
     assert (out / "metrics.jsonl").read_bytes() == metrics and os.path.isdir(out / "checkpoints" / "0")
     loop.run(load_config(Config, "configs/default.yaml", [*overrides, "overwrite=true", "seed=1"]))
     assert (out / "metrics.jsonl").read_bytes() != metrics and os.path.isdir(out / "checkpoints" / "0")
+
+
+def test_resumed_run_keeps_counting_reward_errors(tmp_path):
+    """summary.json's totals cover the whole run, not just the part after the resume."""
+    import shutil
+
+    overrides = [*TINY, "rl.steps=4", "checkpoint.every=2", f"output_dir={tmp_path}"]
+    whole = loop.run(load_config(Config, "configs/default.yaml", overrides), reward_fn=reward_fns.fails_on_odd_length)
+    assert whole["reward_errors_total"] > 0
+    shutil.rmtree(tmp_path / "checkpoints" / "4")  # as if the run had died after step 2's checkpoint
+    resumed = loop.run(load_config(Config, "configs/default.yaml", [*overrides, "resume=true"]),
+                       reward_fn=reward_fns.fails_on_odd_length)
+    assert resumed["reward_errors_total"] == whole["reward_errors_total"]
+    assert resumed["accuracy_after_rl"] == whole["accuracy_after_rl"]
