@@ -91,6 +91,8 @@ BAD_ROWS = [
     ({"question": "q", "answer": "####    "}, GSM8K, "field 'answer' gives an empty reference"),
     ({"problem": "p", "solution": "no answer here"}, MATH, "no answer found in field 'solution'"),
     ({"prompt": "p", "tests": True}, CODE, "field 'tests' has unsupported type bool"),
+    ({"prompt": "p", "tests": float("nan")}, CODE, "field 'tests' is nan, not a finite number"),
+    ({"prompt": "p", "tests": float("inf")}, CODE, "field 'tests' is inf, not a finite number"),
 ]
 
 
@@ -239,3 +241,11 @@ def test_shuffled_batches_validation():
         shuffled_batches([1], 0, seed=0)
     with pytest.raises(ValueError, match="empty"):
         shuffled_batches([], 2, seed=0)
+
+
+def test_a_damaged_parquet_file_is_named(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1 this is not really parquet")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a readable Parquet file \(after 0 rows\)"):
+        load_prompts(path, GSM8K)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import string
@@ -124,6 +125,8 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
     elif isinstance(raw, (list, dict)):
         reference = json.dumps({"tests": raw})
     elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        if not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
+            raise _BadRow(f"field {fields.reference!r} is {raw!r}, not a finite number")
         reference = json.dumps(raw)
     else:
         raise _BadRow(f"field {fields.reference!r} has unsupported type {type(raw).__name__}")
@@ -153,10 +156,13 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq  # lazy: only Parquet users need pyarrow
 
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches():
-        for row in batch.to_pylist():
-            yield f"{path}:row {index}", row
-            index += 1
+    try:
+        for batch in pq.ParquetFile(path).iter_batches():
+            for row in batch.to_pylist():
+                yield f"{path}:row {index}", row
+                index += 1
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise DataError(f"{path}: not a readable Parquet file (after {index} rows): {e}") from None
 
 
 def load_prompts(
