@@ -218,6 +218,8 @@ class EvalConfig:
     temperature: float = _field(1.0, gt=0)
 
     def validate(self) -> None:
+        if self.samples and not self.pass_k:
+            raise ValueError("eval.pass_k is empty: list the k of pass@k and maj@k, e.g. [1, 4]")
         if self.samples and max(self.pass_k) > self.samples:
             raise ValueError(f"eval.pass_k {list(self.pass_k)} has k > eval.samples ({self.samples})")
         if self.samples > self.batch_size:
@@ -264,7 +266,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = 0
+    seed: int = _field(0, ge=0)
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard

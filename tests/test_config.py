@@ -64,6 +64,8 @@ def test_default_recipe_loads_and_overrides_apply():
          ["per_component", "'grpo'"]),
         ("", ["tokenizer.vocab_size=100"], ["tokenizer.vocab_size (100) exceeds model.vocab_size (64)"]),
         ("", ["rl.sampling.top_p=1.5"], ["rl.sampling.top_p", "<= 1"]),
+        ("", ["seed=-1"], ["seed", ">= 0"]),
+        ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
     ],
 )
 def test_malformed_config_names_the_field(tmp_path, capsys, yaml_text, overrides, expected):
