@@ -28,7 +28,8 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         config = load_config(Config, args.config,
-                             [*args.overrides, f"seed={seed}", f"output_dir=runs/bench-seed{seed}", "overwrite=true", "progress=false"])
+                             [*args.overrides, f"seed={seed}", f"output_dir=runs/bench-seed{seed}",
+                              "overwrite=true", "progress=false"])
         summary = run(config, config_source=args.config)
         row = {"seed": seed, **{k: summary[k] for k in KEYS}, "devices": summary["devices"]}
         print(json.dumps(row), flush=True)

@@ -25,7 +25,8 @@ MODES = ("sync", "overlap")
 def train(out: str, overlap: bool, seed: int, overrides: list[str]) -> dict:
     """One `jaxrl train` run of the default recipe; its summary, metrics bytes and median step time."""
     command = [sys.executable, "-m", "jaxrl.cli", "train", "configs/default.yaml", f"seed={seed}",
-               f"output_dir={out}", "overwrite=true", "progress=false", f"rl.overlap={str(overlap).lower()}", *overrides]
+               f"output_dir={out}", "overwrite=true", "progress=false", f"rl.overlap={str(overlap).lower()}",
+               *overrides]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(ROOT, out, "summary.json")) as f:
         summary = json.load(f)

@@ -4,8 +4,9 @@
 direct call (a notebook checking one completion): in the main thread of a Unix process it arms a real-time
 interval timer whose SIGALRM interrupts the Python code (reward code guards the few C-level operations a
 signal cannot interrupt, e.g. huge powers), though never an import in progress, which would leave its
-module broken for the rest of the process: the deadline then falls as soon as the import ends; anywhere else (another thread, a timer already armed, no
-SIGALRM) it runs the call in a spawned process and kills it at the deadline.
+module broken for the rest of the process: the deadline then falls as soon as the import ends. Anywhere
+else (another thread, a timer already armed, no SIGALRM) it runs the call in a spawned process and kills it
+at the deadline.
 """
 
 from __future__ import annotations
