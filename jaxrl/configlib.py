@@ -200,7 +200,8 @@ def _apply_override(tree: _Section, item: str) -> None:
         value = yaml.load(text, Loader=_Loader)
         node = yaml.compose(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}") from None
+        raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}; if it is text, quote the "
+                          f"value, e.g. \"{key}='{text}'\" in the shell") from None
     dropped = text[node.end_mark.index if node is not None else 0:].strip()
     if dropped:  # YAML reads `#` at the start or after a space as a comment: it would vanish silently
         raise ConfigError(f"{where}: YAML reads {dropped!r} as a comment and would drop it; quote the value, "
@@ -287,7 +288,9 @@ def _convert(tp, entry: _Value | _Section, path: str, current):
     inner, _ = _unwrap_optional(tp)
     if isinstance(entry, _Section):
         if not _is_dataclass_type(inner):
-            raise _error(entry.where, path, f"expected {_describe(tp)}, got a mapping")
+            hint = (f"; YAML reads braces or 'key: value' as a mapping: quote the value, e.g. \"{path}='...'\" "
+                    "in the shell") if inner is str else ""
+            raise _error(entry.where, path, f"expected {_describe(tp)}, got a mapping{hint}")
         return _merge(current if isinstance(current, inner) else inner(), entry, path)
     return _coerce(tp, entry.value, path, entry.where)
 

@@ -401,6 +401,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
     initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
+    config = dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir))  # "~/runs/x"
     out = config.output_dir
     resume_step = resume_point(config) if config.resume else None
     if resume_step is None:

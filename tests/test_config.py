@@ -66,6 +66,10 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.sampling.top_p=1.5"], ["rl.sampling.top_p", "<= 1"]),
         ("", ["seed=-1"], ["seed", ">= 0"]),
         ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
+        ("", ["data.template={prompt}"], ["data.template: expected a str, got a mapping",
+                                          "quote the value, e.g. \"data.template='...'\" in the shell"]),
+        ("", ["data.template={prompt} A:"], ["cannot parse value",
+                                             "quote the value, e.g. \"data.template='{prompt} A:'\" in the shell"]),
     ],
 )
 def test_malformed_config_names_the_field(tmp_path, capsys, yaml_text, overrides, expected):

@@ -174,6 +174,8 @@ EQUIVALENT = [
     (r"\log_{10}(1000)", "3"),
     (r"\log_2 3", r"\frac{\ln 3}{\ln 2}"),
     (r"\log_x 8", r"\frac{\ln 8}{\ln x}"),
+    ("1, 2", "2, 1"),  # a bare list (the solutions) in any order; tuples keep theirs
+    (r"-\frac{1}{2}, 3", "3, -0.5"),
     (r"\left(\frac{1}{3}\right)^{x}", "3^{-x}"),
     (r"\frac{2}{2x-2}", r"\frac{1}{x-1}"),
     (r"\frac{1}{(x-1)(x-\frac{3}{2})}", r"\frac{2}{(x-1)(2x-3)}"),
@@ -184,6 +186,8 @@ NOT_EQUIVALENT = [
     ("12", "1.2"),
     ("1000001", "10^6"),  # no loose tolerance for exact rationals
     ("(1,2)", "(2,1)"),
+    ("1, 2", "1, 1, 2"),
+    ("1, 2", "(1, 2)"),
     ("[1,2)", "(1,2)"),
     ("0.333333", "1/3"),
     ("A", "B"),

@@ -37,10 +37,12 @@ def test_runs_start_from_a_warm_start_only_run_and_take_a_reward_function(tmp_pa
     assert branch["accuracy_before_rl"] == branch["accuracy_after_rl"] == 0.25
 
 
-def test_a_fresh_run_never_takes_over_another_runs_checkpoints(tmp_path):
+def test_a_fresh_run_never_takes_over_another_runs_checkpoints(tmp_path, monkeypatch):
     out = tmp_path / "run"
+    monkeypatch.setenv("HOME", str(tmp_path))
     overrides = [*TINY, "rl.steps=0", f"output_dir={out}"]
-    loop.run(load_config(Config, "configs/default.yaml", overrides))
+    loop.run(load_config(Config, "configs/default.yaml", [*TINY, "rl.steps=0", "output_dir=~/run"]))  # ~ expands
+    assert not os.path.exists("~")
     metrics = (out / "metrics.jsonl").read_bytes()
     # Restarted without resume=true (a preempted job's command): refused before anything in the dir changes,
     # and so is a config that fails later checks.

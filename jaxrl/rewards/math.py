@@ -803,7 +803,7 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
     if sa is not None or sb is not None:
         if sa is None or sb is None or sa[0] != sb[0] or len(sa[1]) != len(sb[1]):
             return False
-        if sa[0] != "set":
+        if sa[0] not in ("set", ""):  # tuples and intervals in order; sets and bare lists ("1, 2") in any
             return all(_equivalent(x, y, rel_tol) for x, y in zip(sa[1], sb[1]))
         unmatched = list(sb[1])
         for x in sa[1]:
@@ -822,7 +822,8 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     letters are text answers compared case-insensitively (``Yes`` == ``yes``,
     and so ``xy`` != ``yx``); then exact rationals (ints, decimals,
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
-    intervals element-wise (``\\{..\\}`` sets order-insensitively). Otherwise
+    intervals element-wise (``\\{..\\}`` sets and bare lists such as the solutions
+    ``1, 2`` order-insensitively). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length
     <= ``MAX_PARSE_CHARS``, exponent literals of at most ``MAX_EXPONENT_DIGITS``
     digits, power towers at most ``MAX_POWER_HEIGHT`` high, no value, ``exp`` or
