@@ -267,9 +267,21 @@ def _merge(base, section: _Section, path: str):
             validate()
     except ConfigError:
         raise
-    except ValueError as e:
-        raise _error(section.where, path, str(e)) from e
+    except ValueError as e:  # a cross-field check: name the section and any override that changed it
+        overrides = dict.fromkeys(w for w in _leaf_sources(section)
+                                  if w.startswith("override") and w != section.where)
+        where = " with ".join([section.where, *overrides]) if section.where else ", ".join(overrides)
+        raise _error(where, path, str(e)) from e
     return obj
+
+
+def _leaf_sources(section: _Section):
+    """Where each leaf value of ``section`` (nested sections included) came from."""
+    for entry in section.items.values():
+        if isinstance(entry, _Section):
+            yield from _leaf_sources(entry)
+        else:
+            yield entry.where
 
 
 def _apply_preset(cls, base, section: _Section, path: str, hints):

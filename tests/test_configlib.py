@@ -283,6 +283,9 @@ def test_validate_cross_check(tmp_path):
     raises(lambda: load_config(WithChecked, nested), f"{nested}:1: window: low must be < high")
     raises(lambda: load_config(WithChecked, None, ["window.low=5"]),
            "override 'window.low=5': window: low must be < high")
+    fine = write(tmp_path, "window:\n  low: 1\n  high: 2\n", "fine.yaml")  # the override broke it
+    raises(lambda: load_config(WithChecked, fine, ["window.low=5"]),
+           f"{fine}:1 with override 'window.low=5': window: low must be < high")
 
 
 def test_unsupported_schema_type():
