@@ -143,12 +143,12 @@ def _rope(raw: dict, family: str, source: str) -> tuple[float, RopeScaling, floa
         top, top_local = raw.get("rope_theta"), raw.get("rope_local_base_freq")
         if family == "gemma3" and "full_attention" in params:
             full, local = params["full_attention"], params.get("sliding_attention") or {}
-            return (float(full.get("rope_theta", top or 1e6)),
+            return (float(full.get("rope_theta", top or 10_000.0)),
                     _rope_scaling(full, source, "rope_parameters.full_attention"),
                     float(local.get("rope_theta", top_local or 10_000.0)))
         return (float(params.get("rope_theta", top or 10_000.0)), _rope_scaling(params, source, "rope_parameters"),
                 None)
-    theta = float(raw.get("rope_theta") or (1e6 if family == "gemma3" else 10_000.0))
+    theta = float(raw.get("rope_theta") or 10_000.0)  # Gemma 3's 1e6: _CLASS_DEFAULTS
     local = float(raw.get("rope_local_base_freq") or 10_000.0) if family == "gemma3" else None
     return theta, _rope_scaling(raw.get("rope_scaling"), source, "rope_scaling"), local
 
