@@ -4,11 +4,13 @@
 #   bash benchmarks/gpu.sh sample   # sampler throughput and memory-bandwidth fraction, Qwen2.5-0.5B shapes
 #   bash benchmarks/gpu.sh sample-flags  # the decode loop under XLA command buffers
 #   bash benchmarks/gpu.sh train    # RL train step throughput and MFU
+#   bash benchmarks/gpu.sh profile  # the sampler's kernels, batch 64 and 256 (benchmarks/profile_decode.py)
+#   bash benchmarks/gpu.sh overlap  # the default recipe, synchronous vs one-step overlap (needs grain)
 # Logs go to $OUT (or ./gpu-logs). Uses the machine's python3 with jax[cuda], flax, optax installed.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 QWEN="--model qwen2.5-0.5b --dtype bfloat16 --group 8 --prompt-len 256 --new-tokens 256 --bandwidth"
 
@@ -43,8 +45,18 @@ train)
     --completion-len 256 --peak-tflops 989 --remat full 2>&1 | tee "$OUT/train_qwen_remat.txt"
   $PY -m jaxrl.bench train --dtype bfloat16 --peak-tflops 989 2>&1 | tee "$OUT/train_bench_small.txt"
   ;;
+profile)
+  for prompts in 8 32; do  # batch 64, 256
+    $PY benchmarks/profile_decode.py --prompts $prompts --step-file "$OUT/step_kernels_$prompts.jsonl" 2>&1 \
+      | tee "$OUT/profile_qwen_$prompts.txt"
+  done
+  ;;
+overlap)  # deterministic reductions, so both modes warm-start from the same policy
+  XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY benchmarks/overlap.py --seeds 0 2>&1 | tee "$OUT/overlap.txt"
+  for mode in sync overlap; do cp "runs/overlap-$mode-s0-0/timings.jsonl" "$OUT/timings_$mode.jsonl"; done
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu.sh checks|sample|train" >&2
+  echo "usage: bash benchmarks/gpu.sh checks|sample|sample-flags|train|profile|overlap" >&2
   exit 2
   ;;
 esac

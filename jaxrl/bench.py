@@ -85,11 +85,9 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     over the measured step time (1.0 = at the memory-bandwidth limit).
     """
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import models
-    from jaxrl.sampling import SamplingConfig, sample
+    from jaxrl.sampling import SamplingConfig
 
     for name, value in (("prompts", prompts), ("prompt_len", prompt_len), ("group", group),
                         ("new_tokens", new_tokens), ("repeats", repeats)):
@@ -101,23 +99,11 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
 
         config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
     shared = prefix_sharing
-
-    policy = models.init(config, seed)
-    distinct = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, prompt_len), dtype=np.int32)
-    rows = distinct if shared else np.repeat(distinct, group, axis=0)  # row p * G + g: sample g of prompt p
-    tokens = jnp.asarray(rows)
-    valid = jnp.ones(rows.shape, bool)
-    key = jax.random.key(seed)
-    kwargs = {"group_size": group} if shared else {}
     overrides = {"kv_cache_dtype": kv_cache_dtype}
     if decode_segments is not None:
         overrides["decode_segments"] = decode_segments
     sequences = prompts * group
-
-    def call(n_new: int):
-        sampling = SamplingConfig(max_new_tokens=n_new, temperature=temperature, top_k=0, top_p=1.0,
-                                  **overrides)
-        return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
+    policy, call = sample_workload(config, prompts, prompt_len, group, temperature, shared, seed, **overrides)
 
     jax.block_until_ready(policy.params)
     start = time.perf_counter()
@@ -178,6 +164,34 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "jax_version": jax.__version__,
         "jaxlib_version": _jaxlib_version(),
     }
+
+
+def sample_workload(config, prompts: int, prompt_len: int, group: int, temperature: float = 1.0,
+                    prefix_sharing: bool = True, seed: int = 0, **sampling_overrides):
+    """The sampling workload of the module docstring for a `models.ModelConfig`: `(policy, call)` where
+    `call(new_tokens)` samples `prompts * group` sequences of exactly `new_tokens` new tokens (a `Rollout`).
+    Extra keyword arguments are `SamplingConfig` fields (`kv_cache_dtype`, `decode_segments`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import models
+    from jaxrl.sampling import SamplingConfig, sample
+
+    policy = models.init(config, seed)
+    distinct = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, prompt_len), dtype=np.int32)
+    rows = distinct if prefix_sharing else np.repeat(distinct, group, axis=0)  # row p * G + g: sample g of prompt p
+    tokens = jnp.asarray(rows)
+    valid = jnp.ones(rows.shape, bool)
+    key = jax.random.key(seed)
+    kwargs = {"group_size": group} if prefix_sharing else {}
+
+    def call(new_tokens: int):
+        sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_k=0, top_p=1.0,
+                                  **sampling_overrides)
+        return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
+
+    return policy, call
 
 
 def decode_bytes_per_step(config, prompts: int, group: int, prompt_len: int, new_tokens: int, shared: bool,

@@ -100,3 +100,28 @@ def test_bench_train_remat_bf16_and_mfu():
     assert flops == 6 * params + 6 * c.num_layers * c.num_heads * c.head_dim * 8
     assert result["model_tflops_per_s"] == pytest.approx(flops * result["tokens_per_s"] / 1e12)
     assert result["mfu"] == pytest.approx(result["model_tflops_per_s"])
+
+
+def _profile_decode():
+    """`benchmarks/profile_decode.py` as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_decode_busy_time_and_one_step():
+    profile = _profile_decode()
+    assert profile.busy_ns([]) == 0
+    assert profile.busy_ns([(5, 6), (0, 2), (1, 3)]) == 4  # [0, 3] and [5, 6]: overlaps counted once
+    # 6 steps of (layer, layer, head); the head runs once per step and is the longest such kernel
+    stream = [(name, 10.0 * i, duration, {}) for i, (name, duration) in
+              enumerate([("layer", 2.0), ("layer", 2.0), ("head", 5.0)] * 6)]
+    step = profile.one_step(stream, steps=6)
+    assert [name for name, *_ in step] == ["layer", "layer", "head"]
+    assert step[0][1] > 0  # from the middle of the call, not its start
+    assert profile.one_step(stream, steps=100) == []  # no kernel runs once per step
