@@ -78,3 +78,31 @@ def fails_on_odd_length(completion: str, reference: str) -> float:
     if len(completion) % 2:
         raise ValueError("odd length")
     return 1.0
+
+
+_warmed_up = False
+
+
+def _slow_warm_up() -> None:
+    global _warmed_up
+    time.sleep(1.0)  # longer than the tests' per-item timeout
+    _warmed_up = True
+
+
+def needs_warm_up(completion: str, reference: str) -> float:
+    """Exact match, but 0.0 in a process where its (slow) `warm_up` has not run."""
+    return exact_match(completion, reference) if _warmed_up else 0.0
+
+
+needs_warm_up.warm_up = _slow_warm_up
+
+
+def _failing_warm_up() -> None:
+    raise ImportError("a dependency of the reward function is missing")
+
+
+def broken_dependency(completion: str, reference: str) -> float:
+    return 1.0
+
+
+broken_dependency.warm_up = _failing_warm_up

@@ -179,6 +179,13 @@ EQUIVALENT = [
     (r"\left(\frac{1}{3}\right)^{x}", "3^{-x}"),
     (r"\frac{2}{2x-2}", r"\frac{1}{x-1}"),
     (r"\frac{1}{(x-1)(x-\frac{3}{2})}", r"\frac{2}{(x-1)(2x-3)}"),
+    # one plus-minus sign is the list of both values, in any order
+    (r"\pm 2", "2, -2"),
+    (r"x = \pm 2", "-2, 2"),
+    ("±2", "2,-2"),
+    (r"1 \pm \sqrt{2}", r"1-\sqrt{2}, 1+\sqrt{2}"),
+    (r"\mp 3", "3, -3"),
+    (r"\pm\frac{1}{2}", "0.5, -0.5"),
 ]
 
 NOT_EQUIVALENT = [
@@ -241,6 +248,10 @@ NOT_EQUIVALENT = [
     (r"5\text{ to 8}", "5"),
     (r"5\text{, 6}", "5"),
     (r"\log_2 8", "4"),
+    # a plus-minus answer names two values: one of them, a tuple or another pair is not it
+    (r"\pm 2", "2"),
+    (r"\pm 2", "(2, -2)"),
+    (r"\pm 3", "2, -2"),
 ]
 
 
@@ -409,6 +420,28 @@ def test_pool_scores_math_verify_batch():
     assert set(metrics) == {f"reward/{k}" for k in ("mean", "std", "timeouts", "errors", "seconds")}
     assert math.isclose(metrics["reward/mean"], 0.6, rel_tol=1e-6)
     assert set(result.metrics("eval/")) == {k.replace("reward/", "eval/") for k in metrics}
+
+
+def test_pool_workers_warm_up_before_their_first_item():
+    """A reward function's `warm_up` runs in each worker before it takes items, outside the item timeout: a 1 s
+    warm-up under a 0.5 s timeout scores every item (the function returns 0.0 where it has not run)."""
+    with RewardPool(reward_fns.needs_warm_up, num_workers=2, timeout_s=0.5) as pool:
+        result = pool.score(["a", "b", "c"], ["a", "b", "x"])
+    np.testing.assert_array_equal(result.rewards, [1, 1, 0])
+    assert (result.timeouts, result.errors) == (0, 0)
+
+
+def test_pool_warm_up_failure_stops_the_pool():
+    with RewardPool(reward_fns.broken_dependency, num_workers=1) as pool:
+        with pytest.raises(RuntimeError, match="reward worker failed to start"):
+            pool.score(["a"], ["a"])
+
+
+def test_math_rewards_warm_up_the_symbolic_checker():
+    from jaxrl.rewards import math as math_rewards
+
+    assert math_verify.warm_up is math_rewards.warm_up and arithmetic_reward.warm_up is math_rewards.warm_up
+    math_rewards.warm_up()  # raises if the checker cannot compare x + 1 with 1 + x
 
 
 def test_pool_survives_misbehaving_reward_fn():

@@ -15,6 +15,12 @@ that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
   will be killed, so it can stop in time (``code_reward`` does);
 * an item that raises, returns a non-finite / non-numeric value, or kills its
   worker scores 0 (an *error*); dead workers are replaced;
+* a reward function with a ``warm_up`` attribute (a callable of no arguments)
+  has it called once in each worker before the worker reports ready, outside
+  every timeout: import heavy modules there (``math_verify`` and
+  ``arithmetic_reward`` load sympy's parser, which otherwise costs the first
+  symbolic answer of each worker 0.2-0.7 s on a 2-core CPU, and more where
+  sympy's bytecode is not cached). A ``warm_up`` that raises stops the pool;
 * optionally (``batch_timeout_s``), the whole ``score()`` call has a hard
   budget: when it runs out, every item not yet finished -- running *or* still
   queued -- scores 0 as a timeout and the busy workers are killed and replaced,
@@ -120,6 +126,9 @@ def _worker_main(conn, reward_fn: Callable[[str, str], float]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        warm_up = getattr(reward_fn, "warm_up", None)
+        if callable(warm_up):  # before "ready": slow first imports are not charged to an item's timeout
+            warm_up()
         conn.send(_READY)
         while True:
             try:
