@@ -18,8 +18,9 @@ from jaxrl.sampling import Rollout
 
 
 def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    """`[B]` rewards, rows `p * G + g` -> `[B / G]` bool: True where the group's rewards are not all equal."""
-    groups = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    """`[B]` rewards, rows `p * G + g` -> `[B / G]` bool: True where the group's rewards are not all equal in
+    float32, the precision of the advantages (rewards equal in float32 give a group zero advantages)."""
+    groups = np.asarray(rewards, np.float32).reshape(-1, group_size)
     return groups.max(axis=1) > groups.min(axis=1)
 
 

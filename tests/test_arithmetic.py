@@ -45,6 +45,9 @@ def test_solution_writes_every_step_and_the_final_answer():
 def test_sloppy_teacher_forgets_only_carries():
     p = Problem(23, (("+", 8), ("-", 5), ("+", 1)))  # 23+8 carries, 31-5 borrows, 26+1 does neither
     assert arithmetic.carries(23, "+", 8) and arithmetic.carries(31, "-", 5) and not arithmetic.carries(26, "+", 1)
+    # operands of two digits (max_operand > 9): the ones digits decide
+    assert not arithmetic.carries(23, "+", 15) and not arithmetic.carries(27, "-", 15)
+    assert arithmetic.carries(28, "+", 15) and arithmetic.carries(23, "-", 15)
     always = arithmetic.solution(p, carry_error_rate=1.0, rng=np.random.default_rng(0))
     assert always == "23+8=21,21-5=26,26+1=27 #### 27"  # forgets the carry (21), then the borrow (26, not 16)
     seen = {arithmetic.solution(p, 0.5, np.random.default_rng(s)) for s in range(64)}

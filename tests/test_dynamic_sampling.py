@@ -10,6 +10,9 @@ from jaxrl.sampling import Rollout
 def test_informative_groups_are_those_whose_rewards_differ():
     rewards = np.array([1, 1, 0, 0, 1, 0, 0.5, 0.5, 0.2, 0.3])
     np.testing.assert_array_equal(informative_groups(rewards, 2), [False, False, True, False, True])
+    # equal in float32, the advantages' precision: such a group gets zero advantages, so it is not informative
+    np.testing.assert_array_equal(informative_groups(np.array([0.7, 0.7 + 1e-12, 0.7, 0.7 + 1e-6]), 2),
+                                  [False, True])
 
 
 def test_select_takes_informative_groups_in_draw_order_then_fills():

@@ -26,6 +26,13 @@ def write_jsonl(path, rows):
 # ---------------------------------------------------------------------------
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_row(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "1+1?", "answer": "#### 2"}).encode() + b"\n")
+    records, skipped = load_prompts(path, GSM8K)
+    assert (skipped, [r.reference for r in records]) == (0, ["2"])
+
+
 def test_gsm8k_rows(tmp_path):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", [
         {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
@@ -223,6 +230,14 @@ def test_prompt_batches_deterministic_and_complete():
     assert take(prompt_batches(records, 5, seed=4), 6) != a
     assert all(len(batch) == 5 for batch in a)
     assert sorted(a[0] + a[1]) == sorted(r.reference for r in records)  # first epoch covers every record
+
+
+def test_prompt_batches_shards_split_the_global_batch():
+    records = _records(12)
+    single = next(prompt_batches(records, 6, seed=1))
+    shards = [next(prompt_batches(records, 3, seed=1, shard=(i, 2))) for i in range(2)]
+    assert sorted(r.reference for s in shards for r in s) == sorted(r.reference for r in single)
+    assert not {r.reference for r in shards[0]} & {r.reference for r in shards[1]}
 
 
 def test_prompt_batches_checkpoint_restore():

@@ -75,8 +75,8 @@ def random_problem(rng: np.random.Generator, config: ArithmeticTaskConfig) -> Pr
 
 
 def carries(total: int, op: str, x: int) -> bool:
-    """Whether `total op x` carries into (or borrows from) the tens digit."""
-    return (total % 10 + x >= 10) if op == "+" else (total % 10 < x)
+    """Whether `total op x` carries into (or borrows from) the tens digit: the ones digits decide."""
+    return (total % 10 + x % 10 >= 10) if op == "+" else (total % 10 < x % 10)
 
 
 def solution(problem: Problem, carry_error_rate: float = 0.0, rng: np.random.Generator | None = None) -> str:

@@ -139,7 +139,7 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
         for line_no, raw in enumerate(f, start=1):
             location = f"{path}:{line_no}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a byte-order mark opens some files
             except UnicodeDecodeError as e:
                 yield location, _BadRow(f"invalid UTF-8 ({e.reason} at byte {e.start})")
                 continue
@@ -204,6 +204,8 @@ def load_prompts(
     return records, skipped
 
 
-def prompt_batches(records: Sequence[PromptRecord], batch_size: int, seed: int) -> grain.DatasetIterator:
-    """Endless shuffled batches (lists of `PromptRecord`) as a checkpointable grain iterator."""
-    return shuffled_batches(records, batch_size, seed)
+def prompt_batches(records: Sequence[PromptRecord], batch_size: int, seed: int,
+                   shard: tuple[int, int] = (0, 1)) -> grain.DatasetIterator:
+    """Endless shuffled batches (lists of `PromptRecord`) as a checkpointable grain iterator; `shard = (index,
+    count)` is this host's share of a multi-host run's global batch (`jaxrl.data.batching.shuffled_batches`)."""
+    return shuffled_batches(records, batch_size, seed, shard)
