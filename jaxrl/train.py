@@ -259,12 +259,13 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         def accumulate(carry, mb):
             grads, metrics = carry
             (_, mb_metrics), mb_grads = grad_fn(trainable, state, mb, norm, controls, ref_policy)
-            grads = _constrain(layout, jax.tree.map(jnp.add, grads, mb_grads))
+            grads = _constrain(layout, jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, mb_grads))
             return (grads, losses.reduce_metrics(metrics, mb_metrics)), None
 
-        zeros = _constrain(layout, jax.tree.map(jnp.zeros_like, trainable))
+        # summed in float32 whatever the parameters' dtype (bf16 sums would round after every micro-batch)
+        zeros = _constrain(layout, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), micro)
-        return grads, metrics
+        return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable), metrics
 
     return gradients
 

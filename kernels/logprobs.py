@@ -5,7 +5,9 @@ not the `[batch, seq, vocab]` logits (20 GB in float32 at Qwen's 151,936-token v
 tokens, before their gradient). `token_logprobs` computes both chunk by chunk from the final hidden states:
 `[chunk_size, vocab]` logits at a time, in float32. Its custom VJP keeps only the per-token log-sum-exp and
 entropy from the forward pass and recomputes each chunk's logits in the backward pass, so neither pass
-holds more than one chunk of logits. `reference_token_logprobs` is the plain full-logits computation, for
+holds more than one chunk of logits. A chunk is a run of positions of every row, so the loop runs along the
+sequence and the batch axis stays split over the mesh's data axes (a loop over chunks of the flattened
+`batch * seq` tokens would gather every row's hidden states onto every device). `reference_token_logprobs` is the plain full-logits computation, for
 tests and the memory benchmark (`benchmarks/logprobs_memory.py`).
 """
 
@@ -37,22 +39,31 @@ def token_logprobs(
       temperature: logits are divided by it (log-probs under the sampling temperature); may be traced, and
         gets a gradient.
       softcap: logits -> `softcap * tanh(logits / softcap)` before the temperature (Gemma); None: off.
-      chunk_size: tokens per chunk; peak memory holds a few `[chunk_size, vocab]` float32 arrays.
+      chunk_size: tokens per chunk over the whole batch: each chunk covers `max(1, chunk_size // batch)`
+        positions of every row. Peak memory holds a few `[chunk tokens, vocab]` float32 arrays (divided
+        among the devices the batch is split over), plus, in the backward pass, the unembedding's float32
+        gradient.
 
     Returns:
       `(logprobs [batch, seq], entropy [batch, seq])`, float32, in nats. Differentiable in `hidden`,
       `unembedding` and `temperature`.
     """
     batch, seq, dim = hidden.shape
-    tokens = batch * seq
-    chunk = max(1, min(chunk_size, tokens))
-    chunks = -(-tokens // chunk)
-    pad = chunks * chunk - tokens
-    flat_hidden = jnp.pad(hidden.reshape(tokens, dim), ((0, pad), (0, 0))).reshape(chunks, chunk, dim)
-    flat_targets = jnp.pad(targets.reshape(tokens), (0, pad)).reshape(chunks, chunk)
+    positions = max(1, min(seq, chunk_size // batch))  # of every row, per chunk
+    chunks = -(-seq // positions)
+    pad = chunks * positions - seq
+
+    def by_chunk(x):  # [batch, seq, ...] -> [chunks, batch, positions, ...], the padded tail masked out below
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(batch, chunks, positions, *x.shape[2:]), 0, 1)
+
+    def by_row(x):  # [chunks, batch, positions] -> [batch, seq]
+        return jnp.swapaxes(x, 0, 1).reshape(batch, chunks * positions)[:, :seq]
+
     temperature = jnp.asarray(temperature, jnp.float32)
-    logp, entropy = _chunked(softcap, flat_hidden, unembedding, flat_targets.astype(jnp.int32), temperature)
-    return logp.reshape(-1)[:tokens].reshape(batch, seq), entropy.reshape(-1)[:tokens].reshape(batch, seq)
+    logp, entropy = _chunked(softcap, by_chunk(hidden), unembedding, by_chunk(targets.astype(jnp.int32)),
+                             temperature)
+    return by_row(logp), by_row(entropy)
 
 
 def reference_token_logprobs(
@@ -82,17 +93,22 @@ def _scaled_logits(hidden_chunk, unembedding, temperature, softcap):
 
 
 def _chunk_stats(softcap, unembedding, temperature, hidden_chunk, target_chunk):
-    """Per-token `(logp, entropy, log-sum-exp)` of one chunk, each `[chunk]`."""
-    _, scaled = _scaled_logits(hidden_chunk, unembedding, temperature, softcap)
+    """hidden `[batch, positions, dim]`, targets `[batch, positions]` -> per-token `(logp, entropy,
+    log-sum-exp)` of the chunk, each `[batch, positions]`."""
+    shape = target_chunk.shape
+    _, scaled = _scaled_logits(hidden_chunk.reshape(-1, hidden_chunk.shape[-1]), unembedding, temperature,
+                               softcap)
     lse = jax.nn.logsumexp(scaled, axis=-1)
     probs = jnp.exp(scaled - lse[:, None])
-    target = jnp.take_along_axis(scaled, target_chunk[:, None], axis=-1)[:, 0]
-    return target - lse, lse - jnp.sum(probs * scaled, axis=-1), lse
+    target = jnp.take_along_axis(scaled, target_chunk.reshape(-1, 1), axis=-1)[:, 0]
+    return ((target - lse).reshape(shape), (lse - jnp.sum(probs * scaled, axis=-1)).reshape(shape),
+            lse.reshape(shape))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(softcap, hidden, unembedding, targets, temperature):
-    """hidden `[chunks, chunk, dim]`, targets `[chunks, chunk]` -> `(logp, entropy)`, each `[chunks, chunk]`."""
+    """hidden `[chunks, batch, positions, dim]`, targets `[chunks, batch, positions]` -> `(logp, entropy)`,
+    each `[chunks, batch, positions]`."""
     logp, entropy, _ = _chunked_forward(softcap, hidden, unembedding, targets, temperature)
     return logp, entropy
 
@@ -118,7 +134,9 @@ def _chunked_bwd(softcap, residuals, cotangents):
 
     def step(carry, xs):
         unembedding_bar, temperature_bar = carry
-        hidden_chunk, target_chunk, lse_chunk, entropy_chunk, logp_bar_chunk, entropy_bar_chunk = xs
+        shape = xs[0].shape  # [batch, positions, dim]; the chunk's tokens flattened below
+        hidden_chunk, target_chunk, lse_chunk, entropy_chunk, logp_bar_chunk, entropy_bar_chunk = (
+            x.reshape(shape[0] * shape[1], *x.shape[2:]) for x in xs)
         capped, scaled = _scaled_logits(hidden_chunk, unembedding, temperature, softcap)
         log_probs = scaled - lse_chunk[:, None]
         probs = jnp.exp(log_probs)
@@ -132,7 +150,7 @@ def _chunked_bwd(softcap, residuals, cotangents):
         hidden_bar = jnp.dot(logits_bar, unembedding, preferred_element_type=jnp.float32)
         unembedding_bar = unembedding_bar + jax.lax.dot_general(
             logits_bar, hidden_chunk, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return (unembedding_bar, temperature_bar), hidden_bar.astype(hidden.dtype)
+        return (unembedding_bar, temperature_bar), hidden_bar.astype(hidden.dtype).reshape(shape)
 
     init = (jnp.zeros(unembedding.shape, jnp.float32), jnp.zeros((), jnp.float32))
     (unembedding_bar, temperature_bar), hidden_bar = jax.lax.scan(

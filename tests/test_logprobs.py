@@ -77,3 +77,43 @@ def test_jit_and_traced_temperature():
     fn = jax.jit(lambda h, w, t: token_logprobs(h, w, targets, t, chunk_size=16))
     np.testing.assert_allclose(fn(hidden, params["head"], 0.5)[0],
                                reference_token_logprobs(hidden, params["head"], targets, 0.5)[0], atol=1e-5)
+
+
+def test_the_batch_stays_split_over_the_data_axis():
+    """On 8 devices with the batch split over `data`, neither pass gathers hidden states across devices (the
+    chunk loop runs along the sequence), the log-probs stay split like the batch, and the values match one
+    device's."""
+    from test_scale_out import _run_with_8_devices
+
+    _run_with_8_devices("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from kernels.logprobs import token_logprobs
+
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        rng = np.random.default_rng(0)
+        batch, seq, dim, vocab = 16, 40, 8, 64  # chunk_size 64: 4 positions of every row, 10 chunks
+        h = jnp.asarray(rng.standard_normal((batch, seq, dim)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((vocab, dim)), jnp.float32)
+        t = jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32)
+        rows = NamedSharding(mesh, P("data"))
+        sharded = (jax.device_put(h, rows), jax.device_put(w, NamedSharding(mesh, P())), jax.device_put(t, rows))
+
+        def loss(h, w, t):
+            logp, entropy = token_logprobs(h, w, t, chunk_size=64)
+            return jnp.sum(0.3 * logp + entropy)
+
+        forward = jax.jit(lambda h, w, t: token_logprobs(h, w, t, chunk_size=64))
+        backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        for name, fn in (("forward", forward), ("backward", backward)):
+            gathers = [line for line in fn.lower(*sharded).compile().as_text().splitlines()
+                       if "all-gather(" in line]
+            # only the backward's scatter indices ([chunk tokens, 2] int32) may be gathered, never hidden states
+            assert all(" = s32[" in line for line in gathers), (name, gathers)
+        logp, entropy = forward(*sharded)
+        assert logp.sharding.is_equivalent_to(rows, 2) and entropy.sharding.is_equivalent_to(rows, 2)
+        for got, want in zip((logp, entropy, *backward(*sharded)), (*forward(h, w, t), *backward(h, w, t))):
+            got, want = np.asarray(got), np.asarray(want)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+        print("OK")
+    """, timeout=300)

@@ -95,6 +95,22 @@ def test_four_micro_batches_give_the_loss_and_gradient_of_one(aggregation, kl_es
     assert all(np.linalg.norm(np.asarray(g)) > 0 for g in jax.tree.leaves(g1["policy"]))
 
 
+def test_micro_batch_gradients_of_bf16_weights_are_summed_in_float32():
+    """With bf16 weights the micro-batches' gradients are summed in float32 (the scan carries float32) and the
+    result has the weights' dtype, as with one micro-batch."""
+    policy = models.init(dataclasses.replace(MODEL, dtype="bfloat16", param_dtype="bfloat16"), 0)
+    state = init_train_state(policy, optax.sgd(1.0))
+    gradients = make_rl_gradients(losses.build_loss(LossConfig()), micro_batches=4)
+    args = (state, _batch(policy), Controls(jnp.float32(0.0), jnp.float32(1.0)))
+    jaxpr = jax.make_jaxpr(gradients)(*args)
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    n_params = len(jax.tree.leaves(policy.params))
+    carried = [v.aval.dtype for v in scan.outvars[:n_params]]  # the gradient sums lead the carry
+    assert carried == [jnp.float32] * n_params, carried
+    grads, _ = jax.jit(gradients)(*args)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+
+
 def test_a_batch_that_does_not_split_is_an_error():
     policy = models.init(MODEL, 0)
     state = init_train_state(policy, optax.sgd(1.0))
