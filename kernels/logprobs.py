@@ -7,8 +7,8 @@ tokens, before their gradient). `token_logprobs` computes both chunk by chunk fr
 entropy from the forward pass and recomputes each chunk's logits in the backward pass, so neither pass
 holds more than one chunk of logits. A chunk is a run of positions of every row, so the loop runs along the
 sequence and the batch axis stays split over the mesh's data axes (a loop over chunks of the flattened
-`batch * seq` tokens would gather every row's hidden states onto every device). `reference_token_logprobs` is the plain full-logits computation, for
-tests and the memory benchmark (`benchmarks/logprobs_memory.py`).
+`batch * seq` tokens would gather every row's hidden states onto every device). `reference_token_logprobs`
+is the plain full-logits computation, for tests and the memory benchmark (`benchmarks/logprobs_memory.py`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def token_logprobs(
     chunks = -(-seq // positions)
     pad = chunks * positions - seq
 
-    def by_chunk(x):  # [batch, seq, ...] -> [chunks, batch, positions, ...], the padded tail masked out below
+    def by_chunk(x):  # [batch, seq, ...] -> [chunks, batch, positions, ...]; by_row drops the padded tail
         x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
         return jnp.swapaxes(x.reshape(batch, chunks, positions, *x.shape[2:]), 0, 1)
 

@@ -71,7 +71,9 @@ TRAIN_STEP = """
 
     single = {name: one_step(None, 1, opt) for name, (opt, _) in OPTIMIZERS.items()}
     for shape in MESHES:
-        for micro, name in [(1, "sgd"), (2, "sgd"), (1, "adamw")]:
+        # micro-batches on the mesh that splits all three axes (test_rl_step covers them on a data x fsdp one)
+        runs = [(1, "sgd"), (2, "sgd"), (1, "adamw")] if shape == (2, 2, 2) else [(1, "sgd"), (1, "adamw")]
+        for micro, name in runs:
             optimizer, params_tolerance = OPTIMIZERS[name]
             layout = models.Layout(make_mesh(*shape))
             loss_n, grads_n, state_n, state_nb = one_step(layout, micro, optimizer)
@@ -108,11 +110,11 @@ TRAIN_STEP = """
 
 
 def test_train_step_on_every_mesh_equals_the_single_device_step():
-    """(8,1,1), (1,8,1), (1,4,2), (2,2,2), with and without micro-batches, PPO with a critic: loss, gradients
-    and critic within 1e-5 (relative) of one device; updated parameters and optimizer state within 1e-5 with
-    SGD (1e-4 with AdamW, see the script); the state split as configured."""
+    """(8,1,1), (1,8,1), (1,4,2), (2,2,2) (the last also with 2 micro-batches), PPO with a critic: loss,
+    gradients and critic within 1e-5 (relative) of one device; updated parameters and optimizer state within
+    1e-5 with SGD (1e-4 with AdamW, see the script); the state split as configured."""
     out = _run_with_8_devices(TRAIN_STEP % {"meshes": MESHES})
-    assert out.count("loss/grads") == 3 * len(MESHES)
+    assert out.count("loss/grads") == 2 * len(MESHES) + 1
 
 
 SAMPLING = """

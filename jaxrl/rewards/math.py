@@ -803,7 +803,7 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
         return False
     if a == b:
         return True
-    a, b = _expand_plus_minus(a) or a, _expand_plus_minus(b) or b  # "\\pm 2" is the list "2, -2"
+    a, b = _expand_plus_minus(a) or a, _expand_plus_minus(b) or b  # one \pm: the list of both values
     if len(a) > MAX_PARSE_CHARS or len(b) > MAX_PARSE_CHARS:
         return False
     if _WORD_RE.fullmatch(a) and _WORD_RE.fullmatch(b):
