@@ -3,7 +3,7 @@
     python benchmarks/profile_decode.py [--model qwen2.5-0.5b] [--dtype bfloat16] [--prompts 8] [--group 8]
                                         [--prompt-len 256] [--new-tokens 256] [--top 25] [--trace-dir DIR]
 
-Runs the workload once to compile, then once under `jax.profiler.trace`, and reads the trace back with
+Runs the workload twice (compilation, then a warm call), then once under `jax.profiler.trace`, and reads the trace back with
 `jax.profiler.ProfileData`. Prints one JSON line and tables: per device line (stream), the number of kernels,
 their summed time, the time the line was busy (union of its kernels) and the traced span; kernels per decode
 step; and the kernels that took the most time, grouped by name. A busy fraction well under 1 means the device
@@ -63,9 +63,7 @@ def summarize(xplane_path: str, top: int, steps: int) -> dict:
     from jax.profiler import ProfileData
 
     profile = ProfileData.from_file(xplane_path)
-    lines, kernels = [], collections.Counter()
-    counts = collections.Counter()
-    stream: list[tuple[str, float, float, dict]] = []
+    lines, stream = [], []  # stream: every kernel of the stream lines, `(name, start_ns, duration_ns, stats)`
     for plane in profile.planes:
         if not plane.name.startswith("/device:"):
             continue
@@ -77,12 +75,12 @@ def summarize(xplane_path: str, top: int, steps: int) -> dict:
             lines.append({"plane": plane.name, "line": line.name, "events": len(events),
                           "summed_ms": sum(d for *_, d in events) / 1e6, "busy_ms": busy_ns(intervals) / 1e6,
                           "span_ms": (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e6})
-            if line.name.startswith("Stream") or "stream" in line.name.lower():
-                for name, _, duration in events:
-                    kernels[name] += duration
-                    counts[name] += 1
+            if "stream" in line.name.lower():
                 stream += [(e.name, e.start_ns, e.duration_ns, {k: str(v)[:200] for k, v in e.stats})
                            for e in line.events]
+    kernels, counts = collections.Counter(), collections.Counter(name for name, *_ in stream)
+    for name, _, duration, _ in stream:
+        kernels[name] += duration
     top_kernels = [{"name": name[:120], "calls": counts[name], "total_ms": total / 1e6,
                     "mean_us": total / counts[name] / 1e3} for name, total in kernels.most_common(top)]
     step = one_step(sorted(stream, key=lambda event: event[1]), steps)
