@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -31,23 +32,39 @@ class MetricsWriter:
 
     Wall-clock durations go to `timings_path` (with the record's `phase` and `step`) instead, so that two runs
     of the same seed write identical metrics files. With `tensorboard_dir`, every numeric value is also written
-    as a TensorBoard scalar `<phase>/<key>` at its `step` (tensorboardX event files).
+    as a TensorBoard scalar `<phase>/<key>` at its `step` (tensorboardX event files). The event files mirror the
+    two JSONL files: opening a writer rebuilds them from the records already there (those a resumed run kept),
+    so the steps a resumed run writes again do not show twice in TensorBoard.
     """
 
     def __init__(self, path: str | os.PathLike, timings_path: str | os.PathLike | None = None,
                  tensorboard_dir: str | os.PathLike | None = None):
-        self._tensorboard = None if tensorboard_dir is None else tensorboard_writer(tensorboard_dir)
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            shutil.rmtree(tensorboard_dir, ignore_errors=True)
+            self._tensorboard = tensorboard_writer(tensorboard_dir)
+            for kept in (path, timings_path):
+                if kept is not None and os.path.exists(kept):
+                    for record in read_metrics(kept, torn_tail_ok=True):
+                        self._mirror(record)
+            self._tensorboard.flush()
         self._file = open(path, "a", encoding="utf-8")
         self._timings = None if timings_path is None else open(timings_path, "a", encoding="utf-8")
 
+    def _mirror(self, record: dict[str, Any]) -> None:
+        """Its numeric values as TensorBoard scalars (none for a record without a step)."""
+        if "step" not in record:
+            return
+        phase = record.get("phase", "run")
+        for key, value in record.items():
+            if key not in ("phase", "step", "final") and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                self._tensorboard.add_scalar(f"{phase}/{key}", value, global_step=record["step"])
+
     def write(self, record: dict[str, Any]) -> None:
         record = {k: to_python(v) for k, v in record.items()}
-        if self._tensorboard is not None and "step" in record:
-            phase = record.get("phase", "run")
-            for key, value in record.items():
-                if key not in ("phase", "step", "final") and isinstance(value, (int, float)) \
-                        and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(f"{phase}/{key}", value, global_step=record["step"])
+        if self._tensorboard is not None:
+            self._mirror(record)
             self._tensorboard.flush()
         if self._timings is not None:
             timings = {k: v for k, v in record.items() if is_wall_clock(k)}
