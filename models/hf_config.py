@@ -9,6 +9,7 @@ older Gemma 3 files `sliding_window_pattern` instead of `layer_types`); 5.x writ
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from models.configs import Family, ModelConfig, RopeScaling
@@ -33,7 +34,8 @@ TRAITS: dict[str, dict[str, Any]] = {  # what each family fixes, whatever its co
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
                     "sliding_window": 4096, "rope_local_base_freq": 10_000.0, "rope_theta": 1e6},
-    "qwen3": {"head_dim": 128},
+    "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -136,21 +138,31 @@ def _rope_scaling(params: dict | None, source: str, key: str) -> RopeScaling:
 
 
 def _rope(raw: dict, family: str, source: str) -> tuple[float, RopeScaling, float | None]:
-    """`(rope_theta, scaling, local_rope_theta)`; global-layer values for Gemma 3."""
-    params = raw.get("rope_parameters")
-    if params:  # transformers 5.x
-        # a rope_theta missing there is the top-level one, as transformers 5 reads it
-        top, top_local = raw.get("rope_theta"), raw.get("rope_local_base_freq")
-        if family == "gemma3" and "full_attention" in params:
-            full, local = params["full_attention"], params.get("sliding_attention") or {}
-            return (float(full.get("rope_theta", top or 10_000.0)),
-                    _rope_scaling(full, source, "rope_parameters.full_attention"),
-                    float(local.get("rope_theta", top_local or 10_000.0)))
-        return (float(params.get("rope_theta", top or 10_000.0)), _rope_scaling(params, source, "rope_parameters"),
-                None)
-    theta = float(raw.get("rope_theta") or 10_000.0)  # Gemma 3's 1e6: _CLASS_DEFAULTS
-    local = float(raw.get("rope_local_base_freq") or 10_000.0) if family == "gemma3" else None
-    return theta, _rope_scaling(raw.get("rope_scaling"), source, "rope_scaling"), local
+    """`(rope_theta, scaling, local_rope_theta)`; global-layer values for Gemma 3.
+
+    A non-empty `rope_scaling` decides the scaling (of Gemma 3's full-attention layers) whatever
+    `rope_parameters` says: transformers 4.x reads only `rope_scaling`, and 5.x lets it override
+    `rope_parameters`. A rope_theta missing from `rope_parameters` is the top-level one, as 5.x reads it.
+    """
+    params, rope_scaling = raw.get("rope_parameters") or {}, raw.get("rope_scaling")
+    top, top_local = raw.get("rope_theta"), raw.get("rope_local_base_freq")
+    full, local = params, {}
+    full_key = "rope_parameters"
+    if family == "gemma3" and "full_attention" in params:
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        full_key = "rope_parameters.full_attention"
+        local_scaling = _rope_scaling(local, source, "rope_parameters.sliding_attention")
+        if local_scaling.type != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention type {local_scaling.type!r} is not "
+                              "supported (sliding layers use unscaled RoPE)")
+    theta = float(full.get("rope_theta") or top or 10_000.0)  # Gemma 3's 1e6: _CLASS_DEFAULTS
+    if rope_scaling:
+        scaling = _rope_scaling(rope_scaling, source, "rope_scaling")
+        theta = float(rope_scaling.get("rope_theta") or top or full.get("rope_theta") or 10_000.0)
+    else:
+        scaling = _rope_scaling(full, source, full_key)
+    local_theta = float(local.get("rope_theta") or top_local or 10_000.0) if family == "gemma3" else None
+    return theta, scaling, local_theta
 
 
 def _sliding_layers(raw: dict, family: str, num_layers: int, source: str) -> tuple[int | None, tuple]:
@@ -178,7 +190,10 @@ def _sliding_layers(raw: dict, family: str, num_layers: int, source: str) -> tup
 
 
 def to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
-    """The architecture keys of `config.json` (transformers 4.x spelling) for weights stored in `dtype`."""
+    """The architecture keys of `config.json` (transformers 4.x spelling) for weights stored in `dtype`.
+
+    Raises `ConfigError` when the file would describe a different model (a feature its family's config
+    cannot express, such as a sliding window on Llama): what it writes is read back and compared."""
     model_type = _MODEL_TYPE[config.family]
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type][1]],
@@ -199,17 +214,13 @@ def to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    traits = {"qkv_bias": config.qkv_bias, "o_bias": config.qkv_bias, **TRAITS[config.family]}
-    departs = [name for name, value in traits.items() if getattr(config, name) != value]
-    if departs:
-        raise ConfigError(f"this {config.family} model departs from its family's conventions ({', '.join(departs)}):"
-                          " transformers could not load it exactly")
     if config.family != "qwen2":
         out["attention_bias"] = config.qkv_bias
     if config.family == "gemma3":
-        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=config.query_pre_attn_scalar,
+        out.update(hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
                    final_logit_softcapping=config.final_logit_softcap,
-                   rope_local_base_freq=config.local_rope_theta)
+                   rope_local_base_freq=config.local_rope_theta or config.rope_theta)
     else:
         out["hidden_act"] = "silu"
     if config.sliding_window:
@@ -221,7 +232,32 @@ def to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
     elif config.family == "gemma3":  # transformers' Gemma 3 always has a window; here no layer uses it
         out["sliding_window"] = config.max_position_embeddings
         out["layer_types"] = ["full_attention"] * config.num_layers
+    differs = _differences(config, from_hf(out, f"the {model_type} config.json being written"))
+    if differs:
+        raise ConfigError(f"this {config.family} model cannot be written as a transformers {model_type} "
+                          f"config.json: it would load with a different {'; '.join(differs)}")
     return out
+
+
+# Fields that do not change the outputs (or that `_behaviour` compares as their effect).
+_NOT_BEHAVIOUR = {"dtype", "param_dtype", "attention_impl", "remat", "rope_theta", "rope_scaling",
+                  "local_rope_theta", "query_pre_attn_scalar", "sliding_window", "layer_types"}
+
+
+def _behaviour(config: ModelConfig) -> dict[str, Any]:
+    """What `config` means for the outputs, each default spelled out (None as head_dim, () as all full)."""
+    layers = range(config.num_layers)
+    types = tuple(config.layer_type(i) for i in layers)
+    return {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _NOT_BEHAVIOUR},
+            "layer types": types, "sliding_window": config.sliding_window if "sliding" in types else None,
+            "query scale": config.query_scale,
+            "RoPE frequencies": tuple(tuple(config.inv_frequencies(i).tolist()) for i in layers)}
+
+
+def _differences(ours: ModelConfig, loaded: ModelConfig) -> list[str]:
+    """`"name: ours vs loaded"` for each difference in behaviour."""
+    a, b = _behaviour(ours), _behaviour(loaded)
+    return [k if k == "RoPE frequencies" else f"{k} ({a[k]!r}, not {b[k]!r})" for k in a if a[k] != b[k]]
 
 
 def _rope_parameters(config: ModelConfig) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -76,12 +76,19 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
             raise SafetensorsError(f"{where}: unsupported dtype or missing field {e}") from None
         except (TypeError, ValueError):
             raise SafetensorsError(f"{where}: malformed header entry {entry!r}") from None
+        if not all(_is_count(n) for n in (*shape, begin, end)):
+            raise SafetensorsError(f"{where}: shape and data offsets must be non-negative integers, got "
+                                   f"{entry!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 <= begin <= end <= data_len or end - begin != nbytes:
             raise SafetensorsError(f"{where}: data offsets {[begin, end]} do not fit shape {list(shape)} "
                                    f"{entry['dtype']} in a {data_len}-byte data section (truncated file?)")
         tensors[name] = TensorInfo(path, name, dtype, shape, data_start + begin, nbytes)
     return tensors, metadata
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

@@ -2,8 +2,10 @@
 transformers' own (fixtures made by `tests/data/hf/make_fixtures.py`; no torch here), bit-exact round
 trips, sharded files, placement on a mesh and clear errors for bad checkpoints."""
 
+import dataclasses
 import json
 import os
+import struct
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import models
 from hf_fixtures import FIXTURES, tensors_of
 from jaxrl.sampling import SamplingConfig, sample
 from models import CheckpointError, hf_config
-from models.safetensors_io import TensorSpec, read_header, read_tensor, write_file
+from models.configs import RopeScaling
+from models.safetensors_io import SafetensorsError, TensorSpec, read_header, read_tensor, write_file
 
 NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "llama3_bf16"]
 VERSIONS = ["transformers4", "transformers5"]
@@ -97,6 +100,28 @@ def test_missing_keys_take_transformers_defaults():
     # rope_parameters without its own rope_theta: the top-level one, as transformers 5 reads it
     raw = {**_raw("qwen2"), "rope_theta": 1e6, "rope_parameters": {"rope_type": "default"}}
     assert hf_config.from_hf(raw).rope_theta == 1e6
+    # Qwen2 / Qwen3 with use_sliding_window: a 4096-token window from layer 28 on (Qwen2Config's defaults)
+    for name in ("qwen2", "qwen3"):
+        raw = {k: v for k, v in _raw(name).items() if k not in ("sliding_window", "max_window_layers",
+                                                                "layer_types")}
+        swa = hf_config.from_hf({**raw, "use_sliding_window": True, "num_hidden_layers": 32})
+        assert (swa.sliding_window, swa.layer_types) == (4096, ("full",) * 28 + ("sliding",) * 4)
+
+
+def test_rope_scaling_overrides_rope_parameters():
+    """transformers 4.x reads only `rope_scaling` and 5.x lets it override `rope_parameters`: so does jaxrl."""
+    raw = {**_raw("qwen2"), "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+           "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    config = hf_config.from_hf(raw)
+    assert (config.rope_theta, config.rope_scaling) == (1e6, RopeScaling("linear", 4.0))
+    with pytest.raises(hf_config.ConfigError, match="rope_scaling type 'yarn' is not supported"):
+        hf_config.from_hf({**raw, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    gemma = _raw("gemma3")
+    assert hf_config.from_hf({**gemma, "rope_scaling": {"rope_type": "linear", "factor": 3.0}}).rope_scaling == \
+        RopeScaling("linear", 3.0)
+    local = {**gemma["rope_parameters"]["sliding_attention"], "rope_type": "linear", "factor": 8.0}
+    with pytest.raises(hf_config.ConfigError, match="sliding_attention type 'linear' is not supported"):
+        hf_config.from_hf({**gemma, "rope_parameters": {**gemma["rope_parameters"], "sliding_attention": local}})
 
 
 @pytest.mark.parametrize("change, match", [
@@ -189,6 +214,10 @@ def test_bfloat16_storage_of_float32_params(tmp_path):
         np.testing.assert_array_equal(value.view(np.uint16), original[key].view(np.uint16))
 
 
+_NATIVE = models.ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=8, intermediate_size=64)
+
+
 def test_native_model_saves_as_its_family(tmp_path):
     config = models.ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                 head_dim=8, intermediate_size=64, qk_norm=True, family="qwen3")
@@ -197,9 +226,39 @@ def test_native_model_saves_as_its_family(tmp_path):
     reloaded = models.from_pretrained(tmp_path, progress=False)
     tokens = jnp.arange(10)[None] % 40
     np.testing.assert_array_equal(models.forward(reloaded, tokens), models.forward(policy, tokens))
-    with pytest.raises(hf_config.ConfigError, match="departs from its family's conventions"):
-        models.save_pretrained(models.init(config.__class__(**{**config.__dict__, "family": "llama"}), 0),
-                               tmp_path / "bad", progress=False)
+    with pytest.raises(hf_config.ConfigError, match=r"as a transformers llama config.json: .*qk_norm \(True, not"):
+        models.save_pretrained(models.init(dataclasses.replace(config, family="llama"), 0), tmp_path / "bad",
+                               progress=False)
+
+
+@pytest.mark.parametrize("family, change, named", [
+    ("llama", dict(sliding_window=4, layer_types=("sliding", "full")), "layer types"),
+    ("llama", dict(query_pre_attn_scalar=2.0), "query scale"),
+    ("qwen3", dict(qk_norm=True, final_logit_softcap=1.0), "final_logit_softcap"),
+    ("gemma3", {**hf_config.TRAITS["gemma3"], "attn_logit_softcap": 1.0}, "attn_logit_softcap"),
+    ("gemma3", {**hf_config.TRAITS["gemma3"], "rope_scaling": RopeScaling("linear", 2.0),
+                "sliding_window": 4, "layer_types": ("sliding", "full")}, "RoPE frequencies"),
+])
+def test_what_config_json_cannot_express_is_refused(tmp_path, family, change, named):
+    """A native model whose config.json would load as a different model stops before anything is written."""
+    config = dataclasses.replace(_NATIVE, family=family, **change)
+    with pytest.raises(hf_config.ConfigError, match=f"cannot be written as a transformers .*{named}"):
+        models.save_pretrained(models.init(config, 0), tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_native_gemma3_writes_its_defaults_as_numbers(tmp_path):
+    """`None` (the full layers' RoPE base, head_dim as the query scalar) is written as the number it means:
+    transformers 4.57 raises on a null there."""
+    config = dataclasses.replace(_NATIVE, family="gemma3", **hf_config.TRAITS["gemma3"], rope_theta=5e4,
+                                 sliding_window=4, layer_types=("sliding", "full"))
+    policy = models.init(config, 0)
+    models.save_pretrained(policy, tmp_path, progress=False)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert (raw["rope_local_base_freq"], raw["query_pre_attn_scalar"]) == (5e4, 8)
+    tokens = jnp.arange(10)[None] % 40
+    np.testing.assert_array_equal(models.forward(models.from_pretrained(tmp_path, progress=False), tokens),
+                                  models.forward(policy, tokens))
 
 
 def test_loads_onto_a_mesh_with_shardings():
@@ -306,6 +365,20 @@ def test_unexpected_tensor_and_truncated_file(qwen_copy):
         f.truncate(size - 100)
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor '.*': data offsets .* \(truncated file\?\)"):
         models.from_pretrained(qwen_copy, progress=False)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]},
+    {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},
+])
+def test_malformed_header_entries_are_named(tmp_path, entry):
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(SafetensorsError, match=r"bad.safetensors: tensor 'w': shape and data offsets must be "):
+        read_header(path)
 
 
 def test_tied_checkpoint_with_stored_head_loads(qwen_copy):
