@@ -44,8 +44,9 @@ class TokenizerConfig:
     path: str | None = None  # tokenizer.json / tokenizer.model (or their directory); default: pretrained.path
     vocab_size: int = _field(32, gt=4)  # sentencepiece vocabulary trained for the built-in task
     stop_tokens: tuple[str, ...] = ()  # extra vocabulary tokens that end a completion (besides EOS / end-of-turn)
-    # Strings that end a completion, matched as the token sequence each encodes to on its own (e.g.
-    # "</answer>" for a base model whose vocabulary has no such token); see jaxrl.sampling.stop_sequences_for.
+    # Strings that end a completion, matched as token sequences: each string encoded on its own, after a space
+    # and without a leading "▁" token (e.g. "</answer>" for a base model whose vocabulary has no such token);
+    # see jaxrl.sampling.stop_sequences_for.
     stop_strings: tuple[str, ...] = ()
 
 

@@ -140,7 +140,8 @@ def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128) -> ja
     One uniform number per row instead of `jax.random.categorical`'s Gumbel noise over the whole vocabulary
     (on CPU, generating that noise took a third of the decode time). The cumulative sum is taken in two
     levels, over blocks of `block` entries and then within the chosen block, because a cumulative sum over a
-    32k vocabulary is 20x slower on XLA:CPU than the two short ones. Zero-probability entries are never drawn.
+    32k vocabulary is 20x slower on XLA:CPU than the two short ones. Zero-probability entries are never drawn;
+    a row without probability mass (NaN logits) gives index 0, so the id stays inside the vocabulary.
     """
     batch, vocab = probs.shape
     blocks = -(-vocab // block)
@@ -148,12 +149,27 @@ def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128) -> ja
     block_mass = probs.sum(axis=-1)
     block_cdf = jnp.cumsum(block_mass, axis=-1)
     u = jax.random.uniform(key, (batch, 1), jnp.float32) * block_cdf[:, -1:]
-    # first block whose cdf exceeds u (it has mass > 0); u rounded up to the total: the last block with mass
-    chosen = jnp.minimum(jnp.sum(block_cdf <= u, axis=-1), _last_true_index(block_mass > 0))
+    chosen = _positive_at_or_after(block_mass, jnp.sum(block_cdf <= u, axis=-1))  # the first cdf above u
     within = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]
     u_within = u - jnp.take_along_axis(block_cdf - block_mass, chosen[:, None], axis=1)
-    index = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= u_within, axis=-1), _last_true_index(within > 0))
-    return (chosen * block + index).astype(jnp.int32)
+    index = _positive_at_or_after(within, jnp.sum(jnp.cumsum(within, axis=-1) <= u_within, axis=-1))
+    return jnp.clip(chosen * block + index, 0, vocab - 1).astype(jnp.int32)
+
+
+def _positive_at_or_after(values: jax.Array, index: jax.Array) -> jax.Array:
+    """The first entry of `values [batch, n]` at or after `index [batch]` that is > 0, else the last one that
+    is (-1 if none), int32 `[batch]`.
+
+    Makes a drawn index one with probability. Float32 rounding can otherwise point a draw at a zero entry: u
+    rounded up to the total (index n), a chosen block's start (its cdf minus its mass) that rounds above the
+    cdf of the block before it, or a parallel prefix sum (as accelerators may compute `cumsum`) whose
+    sum after a zero entry rounds lower than the sum before it.
+    """
+    n = values.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    positive = values > 0
+    after = jnp.min(jnp.where(positive & (iota >= index[:, None]), iota, n), axis=-1)
+    return jnp.where(after < n, after, _last_true_index(positive))
 
 
 def sample(
@@ -254,18 +270,24 @@ def decode_segments(max_new_tokens: int, segments: int) -> list[tuple[int, int]]
 
 
 def stop_sequences_for(tokenizer, stop_strings) -> tuple[tuple[int, ...], ...]:
-    """Each stop string's token ids, as the tokenizer encodes it on its own (no BOS).
+    """The token sequences that end a completion at each stop string (no BOS), without repeats: the string
+    encoded on its own, after a space, and on its own less a first token that decodes to whitespace only.
 
-    Matching is on tokens, inside the jitted decode loop. A model that writes the string with other tokens
-    (a BPE merge with the text around it) is not stopped by it. Vocabulary tokens such as `<|im_end|>` go in
-    `stop_ids` instead.
+    Mid-text, a string is often written with other tokens than on its own: a sentencepiece (or Metaspace)
+    tokenizer starts a text with a "▁" token that the middle of a text lacks, and a byte-level BPE merges a
+    space before the string into its first token. Matching is on tokens, inside the jitted decode loop, so a
+    model that writes the string merged with the text around it is still not stopped. Vocabulary tokens such
+    as `<|im_end|>` go in `stop_ids` instead.
     """
     sequences = []
     for text in stop_strings:
-        ids = tuple(tokenizer.encode(text))
-        if not ids:
+        alone = tuple(tokenizer.encode(text))
+        if not alone:
             raise ValueError(f"stop string {text!r} encodes to no tokens")
-        sequences.append(ids)
+        variants = [alone, tuple(tokenizer.encode(" " + text))]
+        if len(alone) > 1 and not tokenizer.decode(alone[:1]).strip() and tokenizer.decode(alone[1:]) == text:
+            variants.append(alone[1:])
+        sequences += [v for v in dict.fromkeys(variants) if v not in sequences]
     return tuple(sequences)
 
 

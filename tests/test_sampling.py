@@ -227,6 +227,29 @@ def test_inverse_cdf_sampling_across_blocks():
     assert (np.asarray(inverse_cdf_sample(last_only, jax.random.key(4), block=4)) == 9).all()
 
 
+@pytest.mark.parametrize("mass, mass_after, u", [
+    (0.05010560527443886, 0.7346861362457275, 0.06384575366973877),
+    (0.8812971115112305, 0.8142120242118835, 0.5197831392288208),
+])
+def test_inverse_cdf_sampling_never_draws_from_a_rounding_gap(monkeypatch, mass, mass_after, u):
+    """In float32 the second block's start (its cdf minus its mass) rounds above the first block's cdf; a
+    uniform value (a multiple of 2**-23) between the two once drew the block's zero-probability first entry."""
+    from jaxrl.sampling import inverse_cdf_sample
+
+    assert (np.float32(u) * 2 ** 23).is_integer()  # jax.random.uniform can return it
+    probs = jnp.zeros((1, 8), jnp.float32).at[0, 0].set(mass).at[0, 5].set(mass_after)
+    monkeypatch.setattr(jax.random, "uniform", lambda key, shape, dtype: jnp.full(shape, u, dtype))
+    assert int(inverse_cdf_sample(probs, jax.random.key(0), block=4)[0]) == 5
+
+
+def test_a_row_without_probability_mass_samples_inside_the_vocabulary():
+    from jaxrl.sampling import SamplingConfig, sample_token
+
+    logits = jnp.full((2, 300), jnp.nan).at[1].set(0.0)
+    tokens, _ = sample_token(logits, jax.random.key(0), SamplingConfig(temperature=1.0))
+    assert int(tokens[0]) in range(300)
+
+
 def test_first_max_index_matches_argmax_with_ties():
     from jaxrl.sampling import first_max_index
 
@@ -320,6 +343,41 @@ def test_stop_sequences_for_encodes_each_string():
         def encode(self, text):
             return [ord(c) for c in text]
 
-    assert stop_sequences_for(Tokenizer(), ["</a>", "\n\n"]) == ((60, 47, 97, 62), (10, 10))
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    assert stop_sequences_for(Tokenizer(), ["</a>", "\n\n"]) == (
+        (60, 47, 97, 62), (32, 60, 47, 97, 62), (10, 10), (32, 10, 10))  # on its own, after a space
     with pytest.raises(ValueError, match="stop string '' encodes to no tokens"):
         stop_sequences_for(Tokenizer(), [""])
+
+
+def _contains_one_of(ids, sequences) -> bool:
+    return any(tuple(ids[i:i + len(seq)]) == seq for seq in sequences for i in range(len(ids)))
+
+
+def test_stop_strings_match_mid_text_with_sentencepiece_and_byte_level_bpe():
+    """On its own a sentencepiece string starts with a "▁" token the middle of a text lacks; a byte-level
+    BPE merges the space before a string into its first token."""
+    from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_tokenizers, trainers
+
+    from jaxrl.data import arithmetic
+    from jaxrl.sampling import stop_sequences_for
+    from jaxrl.tokenizer import HFTokenizer, train_tokenizer
+
+    train, _ = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=500, num_eval=10), 0)
+    sentencepiece = train_tokenizer(arithmetic.tokenizer_corpus(train), 32)
+    for stop in ("=", ","):
+        sequences = stop_sequences_for(sentencepiece, [stop])
+        assert not _contains_one_of(sentencepiece.encode("23+8=31,31-5=26"), sequences[:1])  # "▁" first
+        assert _contains_one_of(sentencepiece.encode("23+8=31,31-5=26"), sequences)
+
+    raw = Tokenizer(tokenizer_models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(["so 23+8=31 #### 31", "then 5-2=3 #### 3"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    byte_level = HFTokenizer(raw, eos_token="<|endoftext|>")
+    sequences = stop_sequences_for(byte_level, ["####"])
+    assert not _contains_one_of(byte_level.encode("so 23+8=31 #### 31"), sequences[:1])  # "Ġ####" is one token
+    assert _contains_one_of(byte_level.encode("so 23+8=31 #### 31"), sequences)
