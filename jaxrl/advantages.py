@@ -93,6 +93,12 @@ def _centered(x: jax.Array, weights: jax.Array, axis) -> jax.Array:
     return jnp.where(_all_equal(x, weights, axis), 0.0, x - mean)
 
 
+def _group_centered(x: jax.Array, group_size: int) -> jax.Array:
+    """`x [B]` minus the mean of its group. -> `[B]`."""
+    grouped = _groups(x, group_size)
+    return _centered(grouped, jnp.ones_like(grouped), axis=1).reshape(-1)
+
+
 def _whiten(x: jax.Array, weights: jax.Array, axis, eps: float) -> jax.Array:
     """`(x - mean) / (std + eps)` with weighted population statistics over `axis`; 0 where the weight is 0."""
     centered = _centered(x, weights, axis)
@@ -118,7 +124,7 @@ def grpo(rewards: jax.Array, group_size: int, *, std_scope: StdScope = "group", 
     arXiv 2508.08221), or no division ("none": Dr. GRPO). rewards `[B]` -> `[B]`.
     """
     grouped = _groups(rewards, group_size)
-    centered = _centered(grouped, jnp.ones_like(grouped), axis=1)
+    centered = _group_centered(rewards, group_size).reshape(grouped.shape)
     if std_scope == "group":
         centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
     elif std_scope == "batch":
@@ -383,22 +389,27 @@ def _require(value, estimator: str, what: str):
 def _sequence_level(config: AdvantageConfig, rewards, mask, group_size, *, entropy, greedy_rewards,
                     components, component_weights, penalty) -> jax.Array:
     """The advantage of every estimator but gae, `[B]` or `[B, N]`, given the token penalty `[B, N]`
-    (or None): reinforce_pp subtracts the penalty still to come from each token's return, per_component
-    subtracts the penalty's sum from the normalised advantage (normalising it like a reward component
-    would cancel kl_coef), every other estimator gets rewards minus the penalty's sum."""
+    (or None): reinforce_pp subtracts the penalty still to come from each token's return; grpo and
+    per_component subtract the penalty's sum, minus its group mean, from the normalised advantage (dividing
+    it by the rewards' std would cancel kl_coef: in a group of one outcome that std is the penalty's own);
+    rloo, remax and opo get rewards minus the penalty's sum. gtpo and grpo_s take no penalty."""
     name = config.estimator
-    if config.per_component:
-        components = jnp.asarray(_require(components, name, "components (per_component)"), jnp.float32)
-        normalized = normalize_components(components, group_size, weights=component_weights,
-                                          std_scope=config.std_scope, eps=config.eps)
-        return normalized if penalty is None else normalized - penalty.sum(axis=1)
+    if penalty is not None and name in ("gtpo", "grpo_s"):
+        raise ValueError(f"advantage estimator {name!r} splits each group by binary outcome rewards: it takes "
+                         "no token penalty (kl_in_reward)")
+    if config.per_component or name == "grpo":
+        if config.per_component:
+            components = jnp.asarray(_require(components, name, "components (per_component)"), jnp.float32)
+            normalized = normalize_components(components, group_size, weights=component_weights,
+                                              std_scope=config.std_scope, eps=config.eps)
+        else:
+            normalized = grpo(rewards, group_size, std_scope=config.std_scope, eps=config.eps)
+        return normalized if penalty is None else normalized - _group_centered(penalty.sum(axis=1), group_size)
     if name == "reinforce_pp":
         return reinforce_pp(rewards, group_size=group_size if config.group_baseline else None, mask=mask,
                             token_penalty=penalty, eps=config.eps)
     if penalty is not None:
         rewards = rewards - penalty.sum(axis=1)
-    if name == "grpo":
-        return grpo(rewards, group_size, std_scope=config.std_scope, eps=config.eps)
     if name == "rloo":
         return rloo(rewards, group_size)
     if name == "remax":
@@ -437,8 +448,9 @@ def compute(
         component_weights K floats (per_component).
       token_penalty: `[B, N]` per-token penalty (e.g. a KL penalty in the reward): subtracted from the
         token rewards for gae; for reinforce_pp, each token's return loses the penalty from that token on;
-        for per_component, the normalised advantage loses its masked sum; for the other estimators, each
-        sequence's reward loses its masked sum.
+        for grpo and per_component, the normalised advantage loses its masked sum minus the group's mean
+        sum (not divided by the rewards' std, which would cancel its scale); for rloo, remax and opo, each
+        sequence's reward loses its masked sum; gtpo and grpo_s take none.
 
     Returns:
       `(advantages [B, N], returns [B, N] | None)`, both times the mask; the entropy bonus

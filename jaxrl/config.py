@@ -291,6 +291,12 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
     def validate(self) -> None:
+        estimator = self.rl.loss.advantage.estimator
+        if estimator in ("gtpo", "grpo_s") and (set(self.reward.component_weights()) != {"correct"}
+                                                 or self.reward.function == "code"):
+            raise ValueError(f"rl.loss.advantage.estimator {estimator!r} splits each group by binary outcome "
+                             "rewards (right or wrong): it cannot take shaped rewards (reward.format_weight, "
+                             "overlong_buffer, length_target) or the code reward's pass fraction")
         buffer, max_new = self.reward.overlong_buffer, self.rl.sampling.max_new_tokens
         if buffer is not None and buffer > max_new:
             raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds rl.sampling.max_new_tokens ({max_new})")

@@ -207,6 +207,11 @@ def ref_components(c, g, weights, scope):
     return total
 
 
+def ref_group_centered(x, g):
+    x = np.asarray(x, np.float64)
+    return np.concatenate([x[i:i + g] - x[i:i + g].mean() for i in range(0, len(x), g)])
+
+
 def ref_broadcast(a, mask):
     return np.array([[a[i] * mask[i, t] for t in range(mask.shape[1])] for i in range(mask.shape[0])])
 
@@ -542,6 +547,16 @@ def test_compute_token_penalty():
                             for i in range(8)])
     a, _ = jit_compute()(AdvantageConfig("rloo"), r, mask, g, token_penalty=penalty)
     close(a, ref_broadcast(ref_rloo(raw["rewards"] - seq_penalty, g), raw["mask"]))
+    # grpo: the penalty is centred in its group but not divided by the rewards' std
+    for scope in ("group", "batch", "none"):
+        a, _ = jit_compute()(AdvantageConfig("grpo", std_scope=scope), r, mask, g, token_penalty=penalty)
+        expected = ref_grpo(raw["rewards"], g, scope) - ref_group_centered(seq_penalty, g)
+        close(a, ref_broadcast(expected, raw["mask"]))
+    a, _ = jit_compute()(AdvantageConfig("grpo", std_scope="none"), r, mask, g, token_penalty=penalty)
+    close(a, ref_broadcast(ref_grpo(raw["rewards"] - seq_penalty, g, "none"), raw["mask"]))  # Dr. GRPO: as before
+    for name in ("gtpo", "grpo_s"):
+        with pytest.raises(ValueError, match=f"'{name}' splits each group by binary outcome rewards"):
+            jit_compute()(AdvantageConfig(name), r, mask, g, entropy=batch["entropy"], token_penalty=penalty)
     a, ret = jit_compute()(AdvantageConfig("gae", gamma=1.0, lam_actor=0.8, lam_critic=1.0), r, mask, g,
                            values=batch["values"], token_penalty=penalty)
     token_rewards = ref_outcome(raw["rewards"], raw["mask"]) - raw["penalty"] * raw["mask"]
@@ -551,6 +566,17 @@ def test_compute_token_penalty():
     expected = np.array([[(raw["rewards"][i] - raw["penalty"][i, t:][raw["mask"][i, t:] > 0].sum())
                           * raw["mask"][i, t] for t in range(5)] for i in range(8)])
     close(ret, expected)
+
+
+def test_a_kl_penalty_in_the_reward_keeps_its_scale_in_a_group_of_one_outcome():
+    """Every answer of the group right: dividing the penalised rewards by their std would make the advantages
+    the KL's noise at unit scale whatever kl_coef; they stay kl_coef times the centred penalty."""
+    rewards, mask = jnp.ones(4), jnp.ones((4, 3))
+    kl = jnp.asarray([[0.1, 0.2, 0.0], [0.3, 0.0, 0.0], [0.0, 0.0, 0.1], [0.2, 0.2, 0.2]])
+    small, _ = jit_compute()(AdvantageConfig("grpo"), rewards, mask, 4, token_penalty=0.01 * kl)
+    large, _ = jit_compute()(AdvantageConfig("grpo"), rewards, mask, 4, token_penalty=0.1 * kl)
+    close(large, 10 * np.asarray(small))
+    close(small[:, 0], -0.01 * ref_group_centered(kl.sum(axis=1), 4))
 
 
 def test_compute_entropy_bonus():
@@ -573,10 +599,11 @@ def test_compute_per_component():
     a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
                          component_weights=weights)
     close(a, ref_broadcast(ref_components(raw["components"], g, weights, "group"), raw["mask"]))
-    # a token penalty is subtracted, unnormalised, from the normalised advantage: kl_coef keeps its meaning
+    # a token penalty is subtracted, centred in its group but unnormalised, from the normalised advantage:
+    # kl_coef keeps its meaning
     a, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
                          component_weights=weights, token_penalty=batch["penalty"])
-    seq_penalty = (raw["penalty"] * raw["mask"]).sum(1)
+    seq_penalty = ref_group_centered((raw["penalty"] * raw["mask"]).sum(1), g)
     close(a, ref_broadcast(ref_components(raw["components"], g, weights, "group") - seq_penalty, raw["mask"]))
     tenfold, _ = jit_compute()(config, batch["rewards"], batch["mask"], g, components=batch["components"],
                                component_weights=weights, token_penalty=10 * batch["penalty"])

@@ -1188,6 +1188,7 @@ def test_from_preset_overrides_and_errors():
     (dict(objective="cispo", dual_clip_c=3.0), "dual_clip_c"),
     (dict(kl_estimator="full", kl_coef=0.1, kl_in_reward=True), "full"),
     (dict(kl_estimator="full", kl_coef=0.1, kl_target="old"), "full"),
+    (dict(advantage=adv_lib.AdvantageConfig("gtpo"), kl_coef=0.1, kl_in_reward=True), "'gtpo' splits each group"),
     (dict(clip_cov_ratio=0.1, clip_cov_low=2.0, clip_cov_high=2.0), "clip_cov_low"),
     (dict(clip_cov_ratio=0.1, clip_cov_low=3.0, clip_cov_high=1.0), "clip_cov_low"),
 ])
@@ -1257,7 +1258,8 @@ def test_prepare_batch_kl_in_reward():
     fields, metrics = prepare(cfg, batch)
     m = batch["completion_mask"]
     penalty = 0.3 * (np_k3(f64(batch["old_logp"]), f64(batch["ref_logp"])) * m).sum(axis=1)
-    expected = np_grpo(f64(batch["rewards"]) - penalty, 4)[:, None] * m
+    penalty = penalty - np.repeat(penalty.reshape(-1, 4).mean(axis=1), 4)  # centred in its group, not scaled
+    expected = (np_grpo(f64(batch["rewards"]), 4) - penalty)[:, None] * m
     np.testing.assert_allclose(np.asarray(fields["advantages"]), expected, rtol=1e-4, atol=1e-4)
     plain, _ = prepare(LossConfig(), batch)
     assert np.abs(np.asarray(plain["advantages"]) - expected).max() > 1e-2

@@ -133,6 +133,9 @@ class LossConfig:
         if self.kl_in_reward and self.kl_target != "ref":
             raise ValueError("kl_in_reward folds KL(old policy || reference) into the reward; kl_target must be "
                              f"'ref', got {self.kl_target!r}")
+        if self.kl_in_reward and self.kl_coef and self.advantage.estimator in ("gtpo", "grpo_s"):
+            raise ValueError(f"advantage estimator {self.advantage.estimator!r} splits each group by binary "
+                             "outcome rewards and takes no KL penalty in the reward: set kl_in_reward: false")
         if self.clip_cov_ratio and not self.clip_cov_low < self.clip_cov_high:
             raise ValueError(f"clip_cov_low ({self.clip_cov_low}) must be < clip_cov_high ({self.clip_cov_high})")
         if not self.temperature_min <= self.temperature_max:
