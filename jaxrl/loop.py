@@ -355,7 +355,7 @@ def update_controls(controls: Controls, entropy: float, config: losses.LossConfi
     if config.entropy_target is not None:
         controls = controls.replace(entropy_coef=losses.adapt_entropy_coef(
             controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step,
-            config.entropy_coef_max))
+            config.entropy_coef_max), entropy_below_target=np.float32(entropy < config.entropy_target))
     if config.temperature_target_entropy is not None:
         controls = controls.replace(temperature=losses.adapt_temperature(
             controls.temperature, entropy, config.temperature_target_entropy, config.temperature_rate,
@@ -856,6 +856,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             record.update({f"train/{k}": v for k, v in metrics.items()})
             record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
             record["train/entropy_coef"] = float(controls.entropy_coef)
+            if controls.entropy_below_target is not None:
+                record["train/entropy_bonus"] = float(controls.entropy_bonus)
             record["train/temperature"] = float(controls.temperature)
             record["train/completion_length"] = float(seen["length"].mean())
             record["train/truncated_frac"] = float(seen["truncated"].mean())
@@ -1004,7 +1006,9 @@ def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh)
 
 
 def _checkpoint_state(state: TrainState, controls: Controls, ref_policy=None) -> dict[str, Any]:
-    controls = {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature}
+    controls = {"entropy_coef": controls.entropy_coef, "temperature": controls.temperature,
+                **({} if controls.entropy_below_target is None
+                   else {"entropy_below_target": controls.entropy_below_target})}
     if state.policy.layout is not None:  # host values: on the mesh, so that every process saves them alike
         controls = replicate(jax.device_get(controls), state.policy.layout.mesh)
     saved = {"params": state.policy.params, "opt_state": state.opt_state, "step": state.step,

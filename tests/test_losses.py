@@ -1124,6 +1124,9 @@ def test_build_loss_adaptive_entropy_reads_controls():
     for coef in (0.0, 0.05):
         total = float(loss(inputs, norm, CONTROLS.replace(entropy_coef=jnp.float32(coef)))[0])
         assert total == pytest.approx(base - coef * np_aggregate(f64(d["entropy"]), m, "token-mean"), rel=1e-5)
+    # Skywork-OR1: no bonus while the last measured entropy was above the target (the coefficient is kept)
+    above = Controls.initial(cfg, 1.0).replace(entropy_coef=jnp.float32(0.05), entropy_below_target=jnp.float32(0))
+    assert float(loss(inputs, norm, above)[0]) == pytest.approx(base, rel=1e-6)
 
 
 def test_loss_is_finite_with_extreme_padding():

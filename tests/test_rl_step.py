@@ -255,9 +255,25 @@ def test_controllers_move_the_entropy_coefficient_and_temperature_and_are_checkp
     temperatures = [r["train/temperature"] for r in records]
     np.testing.assert_allclose(coefs, [0.01, 0.02, 0.03], rtol=1e-6)
     assert 1.0 < temperatures[0] < temperatures[1] <= temperatures[2] <= 1.3
+    assert [r["train/entropy_bonus"] for r in records] == pytest.approx(coefs)  # entropy below the target
     saved = ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / "checkpoints" / "3" / "state"))
     assert float(saved["controls"]["entropy_coef"]) == pytest.approx(coefs[-1])
     assert float(saved["controls"]["temperature"]) == pytest.approx(temperatures[-1])
+    assert float(saved["controls"]["entropy_below_target"]) == 1.0
+
+
+def test_the_adaptive_entropy_bonus_is_off_while_the_entropy_is_above_its_target():
+    """Skywork-OR1: the coefficient falls by its step while the entropy is above the target, and no bonus is
+    applied until the entropy is below it again."""
+    from jaxrl.loop import update_controls
+
+    config = losses.LossConfig(entropy_coef=0.05, entropy_target=0.5, entropy_coef_step=0.01)
+    controls = Controls.initial(config, 1.0)
+    assert float(controls.entropy_bonus) == pytest.approx(0.05)
+    controls = update_controls(controls, 0.9, config)
+    assert (float(controls.entropy_coef), float(controls.entropy_bonus)) == pytest.approx((0.04, 0.0))
+    controls = update_controls(controls, 0.3, config)
+    assert (float(controls.entropy_coef), float(controls.entropy_bonus)) == pytest.approx((0.05, 0.05))
 
 
 def test_shaped_reward_components_are_logged_and_normalised_one_by_one(tmp_path, monkeypatch):

@@ -60,10 +60,22 @@ class Controls:
 
     entropy_coef: jax.Array
     temperature: jax.Array
+    # With an entropy target: 1.0 while the last measured entropy was below it, else 0.0 (Skywork-OR1 applies
+    # its adaptive bonus only then). The bonus is entropy_coef times this. None without a target.
+    entropy_below_target: jax.Array | None = None
 
     @classmethod
     def initial(cls, config: LossConfig, temperature: float) -> "Controls":
-        return cls(entropy_coef=jnp.float32(config.entropy_coef), temperature=jnp.float32(temperature))
+        below = None if config.entropy_target is None else jnp.float32(1.0)
+        return cls(entropy_coef=jnp.float32(config.entropy_coef), temperature=jnp.float32(temperature),
+                   entropy_below_target=below)
+
+    @property
+    def entropy_bonus(self) -> jax.Array:
+        """The adaptive entropy coefficient in force: `entropy_coef`, switched off above the target."""
+        if self.entropy_below_target is None:
+            return self.entropy_coef
+        return self.entropy_coef * self.entropy_below_target
 
 
 Term = Callable[[LossInputs, Normalizers, Controls], tuple[jax.Array, Metrics]]
@@ -140,11 +152,11 @@ def kl_term(coef: float, estimator: str = "k3", target: str = "ref", aggregation
 
 
 def entropy_term(coef: float | None = None, aggregation: str = "token-mean") -> Term:
-    """Entropy bonus `-coef * H`; `coef=None` reads the adaptive `Controls.entropy_coef`."""
+    """Entropy bonus `-coef * H`; `coef=None` reads the adaptive `Controls.entropy_bonus`."""
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         entropy = _require(inputs.entropy, "entropy", "entropy")
-        c = controls.entropy_coef if coef is None else coef
+        c = controls.entropy_bonus if coef is None else coef
         return -c * aggregate(entropy, inputs.mask, aggregation, norm), {}
 
     return term

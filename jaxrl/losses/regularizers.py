@@ -72,7 +72,8 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, cli
 def adapt_entropy_coef(coef: jax.Array, entropy: jax.Array, target: float, step: float,
                        max_coef: float = 1.0) -> jax.Array:
     """Adaptive entropy bonus (Skywork-OR1, He et al. 2025, arXiv 2505.22312): raise the coefficient by
-    `step` while the policy's entropy is below `target`, lower it while above; kept in `[0, max_coef]`."""
+    `step` while the policy's entropy is below `target`, lower it while above; kept in `[0, max_coef]`. The
+    bonus is applied only while the entropy is below the target (`Controls.entropy_below_target`)."""
     direction = jnp.sign(target - entropy)
     return jnp.clip(coef + step * direction, 0.0, max_coef)
 
