@@ -314,15 +314,20 @@ def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: f
             "time/update_s": update_s, "time/idle_s": idle_s}
 
 
+# Metrics of an optimizer update as a whole, averaged over the updates without weighting by their tokens.
+_PER_UPDATE_METRICS = ("skipped", "grad_norm", "critic_grad_norm")
+
+
 def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
     """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, metrics over
-    the steps: `losses.mean_over_updates`).
+    the steps: `losses.mean_over_updates`, weighted by each minibatch's loss tokens but for the updates' own
+    `_PER_UPDATE_METRICS`).
 
     Minibatches are drawn by a permutation seeded by (seed, step).
     """
     size = batch["tokens"].shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
-    collected = []
+    collected, tokens = [], []
     for _ in range(config.rl.epochs):
         order = order_rng.permutation(batch["tokens"].shape[0]) if config.rl.minibatches > 1 else None
         for m in range(config.rl.minibatches):
@@ -330,7 +335,11 @@ def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, s
                 lambda x: x[order[m * size:(m + 1) * size]], batch)
             state, metrics = step_fn(state, minibatch, controls, ref_policy)
             collected.append(metrics)
-    return state, jax.device_get(losses.mean_over_updates(collected))
+            tokens.append(minibatch["loss_mask"].sum())
+    per_update = [{k: v for k, v in m.items() if k in _PER_UPDATE_METRICS} for m in collected]
+    per_token = [{k: v for k, v in m.items() if k not in _PER_UPDATE_METRICS} for m in collected]
+    return state, jax.device_get({**losses.mean_over_updates(per_token, tokens),
+                                  **losses.mean_over_updates(per_update)})
 
 
 def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarray, config: Config
@@ -893,7 +902,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     finally:
         if background is not None:
             background.shutdown(wait=True, cancel_futures=True)
-    preempted.restore()
+        preempted.restore()  # also after an exception: the process gets its SIGTERM handler back
     return state, controls, totals
 
 
@@ -948,6 +957,13 @@ def resume_point(config: Config) -> int:
             a, b = a[part], b[part]
         if a != b:
             mismatches.append(f"{key}: checkpoint {b!r}, config {a!r}")
+    # What else the checkpoint holds: a reference policy, the adaptive entropy coefficient's state.
+    for what, held in (("a reference policy (rl.loss.kl_coef > 0, kl_target ref)", lambda c: c.rl.loss.needs_ref_logp),
+                       ("an adaptive entropy state (rl.loss.entropy_target)",
+                        lambda c: c.rl.loss.entropy_target is not None)):
+        if held(config) != held(saved):
+            mismatches.append(f"the checkpoint {'holds' if held(saved) else 'lacks'} {what}, which the config "
+                              f"{'needs' if held(config) else 'does not use'}")
     if mismatches:
         raise CheckpointError(f"resume=true: the run in {out} does not match the config: " + "; ".join(mismatches))
     return step

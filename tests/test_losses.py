@@ -364,6 +364,11 @@ def test_mean_over_updates_drops_updates_without_tokens():
     out = mean_over_updates([full, empty, {**full, "ratio_max": jnp.float32(1.1)}])
     assert float(out["ratio_max"]) == pytest.approx(1.3) and float(out["ratio_min"]) == pytest.approx(0.6)
     assert float(out["policy_loss"]) == pytest.approx((2.0 + float(empty["policy_loss"])) / 3)
+    # weighted by each update's loss tokens, an update without tokens drops out of the means too
+    weighted = mean_over_updates([full, empty, {**full, "policy_loss": jnp.float32(3.0)}], [30, 0, 10])
+    assert float(weighted["policy_loss"]) == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)
+    assert float(weighted["ratio_max"]) == pytest.approx(1.3)
+    assert float(mean_over_updates([full, full], [0, 0])["policy_loss"]) == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------------- ratios

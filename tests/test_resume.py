@@ -136,6 +136,12 @@ def test_bad_resumes_name_the_problem(tmp_path):
     assert other_data.returncode == 2  # the saved data position would index another stream
     assert "task.num_train: checkpoint 200, config 300" in other_data.stderr, other_data.stderr[-2000:]
     assert "rl.prompts_per_step: checkpoint 4, config 8" in other_data.stderr
+    records, saved_config = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
+    other_loss = _train(out, "rl.steps=8", "rl.loss.kl_coef=0", "rl.loss.entropy_target=0.5", "resume=true")
+    assert other_loss.returncode == 2
+    assert "the checkpoint holds a reference policy" in other_loss.stderr, other_loss.stderr[-2000:]
+    assert "the checkpoint lacks an adaptive entropy state" in other_loss.stderr
+    assert (out / "metrics.jsonl").read_bytes() == records and (out / "config.yaml").read_bytes() == saved_config
 
     for name in os.listdir(out / "checkpoints" / "4" / "state"):  # damage the saved arrays
         path = out / "checkpoints" / "4" / "state" / name

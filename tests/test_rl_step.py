@@ -322,8 +322,11 @@ def test_a_step_with_a_planted_nan_is_skipped_and_leaves_the_state_untouched():
 
 def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, monkeypatch):
     """Each non-finite step is skipped and logged (`train/skipped`); rl.max_consecutive_skips of them in a row
-    stop the run with the step numbers and the setting."""
+    stop the run with the step numbers and the setting, and the process gets its SIGTERM handler back."""
+    import signal
+
     grpo = losses.build_loss(LossConfig(preset="grpo"))
+    handler = signal.getsignal(signal.SIGTERM)
 
     def always_nan(inputs, norm, controls):
         value, metrics = grpo(inputs, norm, controls)
@@ -334,6 +337,7 @@ def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, mon
         _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", loss=always_nan)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
     assert [(r["step"], r["train/skipped"], r["train/grad_norm"]) for r in records] == [(1, 1.0, None)]
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_sampled_evaluation_reports_pass_at_k_and_maj_at_k(tmp_path, monkeypatch):

@@ -88,13 +88,21 @@ def _extreme(name: str):
     return jnp.maximum if name.endswith("_max") else jnp.minimum if name.endswith("_min") else None
 
 
-def mean_over_updates(per_update: Sequence[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+def mean_over_updates(per_update: Sequence[dict[str, jax.Array]],
+                      weights: Sequence[jax.Array] | None = None) -> dict[str, jax.Array]:
     """The metrics of several optimizer updates as one: `_max`/`_min` names take the max/min over the
-    updates (an update without loss tokens reports -inf/+inf and so drops out), everything else the mean."""
+    updates (an update without loss tokens reports -inf/+inf and so drops out), everything else the mean,
+    weighted by `weights` when given (each update's loss tokens: the token means of the updates then make
+    the token mean of their union, and an update without tokens drops out; all zero: the plain mean)."""
+    n = len(per_update)
+    w = jnp.ones(n, jnp.float32) if weights is None else jnp.stack([jnp.asarray(x, jnp.float32) for x in weights])
+    total = w.sum()
+    w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 1.0 / n)
+
     def combine(name):
         values = jnp.stack([metrics[name] for metrics in per_update])
         extreme = _extreme(name)
-        return jnp.mean(values) if extreme is None else extreme.reduce(values)
+        return (w * values).sum() if extreme is None else extreme.reduce(values)
     return {name: combine(name) for name in per_update[0]}
 
 
