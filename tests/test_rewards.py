@@ -101,6 +101,12 @@ NORMALIZE_CASES = [
     ("2.5 Million dollars", "2500000"),
     (r"5\text{ million}", "5000000"),
     (r"5\text{ or more}", "5ormore"),
+    # math delimiters go; a matrix row break keeps its backslashes; \cfrac is a fraction; "2 1/2" is mixed
+    (r"\(18\)", "18"),
+    (r"\[ \frac{1}{2} \]", r"\frac{1}{2}"),
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}"),
+    (r"\cfrac{1}{2}", r"\frac{1}{2}"),
+    ("2 1/2", r"\frac{5}{2}"),
 ]
 
 
@@ -111,6 +117,8 @@ def test_normalize_answer(raw, expected):
 
 EQUIVALENT = [
     ("1,000", "1000"),
+    (r"\{1, 2\}", "2, 1"),  # a solution set and a bare list of the solutions
+    ("2 1/2", "2.5"),
     ("0.5", "1/2"),
     ("0.5", r"\frac{1}{2}"),
     (r"\dfrac12", "0.5"),
@@ -252,6 +260,10 @@ NOT_EQUIVALENT = [
     (r"\pm 2", "2"),
     (r"\pm 2", "(2, -2)"),
     (r"\pm 3", "2, -2"),
+    # "2 1/2" is two and a half, not 21/2
+    ("2 1/2", "10.5"),
+    # two polynomials that agree at the points a fixed seed drew (233/125, 697/500, 222/125)
+    ("x^2+(1000x-1864)(1000x-1394)(1000x-1776)", "x^2"),
 ]
 
 
@@ -274,6 +286,10 @@ def test_math_verify():
     assert math_verify(r"\boxed{3}", "4") == 0.0
     assert math_verify("no answer", "4") == 0.0
     assert math_verify(None, "4") == 0.0  # type: ignore[arg-type]
+    assert math_verify(r"The answer is \(18\).", "18") == 1.0
+    assert math_verify(r"**Final Answer:** \[ 18 \]", "18") == 1.0
+    assert math_verify("<answer>The answer is 18</answer>", "18") == 1.0
+    assert math_verify("<answer>1 or 2</answer>", "2") == 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -301,6 +317,10 @@ ADVERSARIAL = {
     "nested_sqrt_2000": "\\boxed{" + "\\sqrt{" * 2000 + "4" + "}" * 2000 + "}",
     "nested_frac_short": "\\boxed{" + "\\frac{" * 30 + "1" + "}{1}" * 30 + "}",
     "dot_star_tail": "#### 5" + ".*" * 400_000,  # stripping these one pair per pass was quadratic
+    # two adjacent whitespace runs in a regex were quadratic on long blank runs
+    "blank_lines_after_units": "<answer>5\\text{cm}" + "\n" * 200_000 + "x</answer>",
+    "blank_after_caret": "<answer>5^" + " " * 200_000 + "x</answer>",
+    "long_mixed_number": "<answer>1\\frac{1}{" + "9" * 5000 + "}</answer>",
     "invalid_utf8": b"\xff\xfe so \\boxed{\xc3\x28} #### \xed\xa0\x80 1".decode(
         "utf-8", "surrogateescape"
     ),
@@ -342,6 +362,11 @@ SHORT_BUT_SLOW = [
     # constants: simplify() ran for minutes on these; the 50-digit comparison decides them
     r"(\sqrt{2}+\sqrt{3}+\sqrt{5}+\sqrt{7}+\sqrt{11})^{99}",
     r"\sin(1)^{999}+\cos(1)^{999}",
+    # a base 15 digits round to 1 hid the size of its exact power; symbols that doit() cancels hid a power
+    r"(1+10^{-20})^{10^{30}}",
+    r"(\frac{100000000000000000001}{100000000000000000000})^{10^{30}}",
+    r"2^{10^{30}+x-x}",
+    r"2^{\frac{10^{30}x}{x}}",
 ]
 
 

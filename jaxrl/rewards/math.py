@@ -41,6 +41,9 @@ MAX_ROOT_INDEX = 99
 # sin/cos/tan/log/exp nested deeper than this are rejected: simplify() is
 # exponential in the depth (``\\tan(\\tan(\\tan(\\tan(\\tan(1)))))`` takes minutes).
 MAX_FUNCTION_DEPTH = 3
+# A power whose exponent exceeds this in magnitude is rejected unless its base is exactly 0, 1 or -1: a
+# base that 15 digits round to 1 hides the size of an exact result ((1+10^{-20})^{10^{30}}).
+MAX_EXPONENT_VALUE = 10_000
 # Power towers (powers nested in exponents) taller than this are rejected:
 # ``e^{x^2}`` and ``2^{2^{2^2}}`` pass, ``x^{x^{x^{x}}}`` does not.
 MAX_POWER_HEIGHT = 3
@@ -96,8 +99,8 @@ def _answer_tag(text: str) -> str | None:
     if opening is None:
         return None
     content = text[opening.end() : close.start()]
-    # ``<answer>... \boxed{5}</answer>``: prefer the boxed part.
-    return _last_boxed(content) or content
+    # ``<answer>... \boxed{5}</answer>``, ``<answer>The answer is 5</answer>``: prefer the marked part.
+    return _last_boxed(content) or _clean(_the_answer_is(content)) or content
 
 
 def _last_boxed(text: str) -> str | None:
@@ -190,12 +193,14 @@ _UNICODE_MAP = str.maketrans(
         "\u202f": " ",
     }
 )
-_LATEX_SPACING_RE = re.compile(r"\\(?:left|right|displaystyle)(?![A-Za-z])|\\[!,;: ]")
-_DEGREES_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?")
+# Not the "\\" of a matrix row break followed by a space. Math delimiters \( \) \[ \] go as well.
+_LATEX_SPACING_RE = re.compile(
+    r"\\(?:left|right|displaystyle)(?![A-Za-z])|(?<!\\)\\[!,;: ]|(?<!\\)\\[()\[\]]")
+_DEGREES_RE = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?")  # no two adjacent \s*: linear
 _TEXT_RE = re.compile(
     r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}"
 )
-_UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*\{?\s*[0-9]\s*\}?)?\s*\Z")
+_UNIT_TAIL_RE = re.compile(r"\s*(?:\^\s*(?:\{\s*)?[0-9]\s*\}?\s*)?\Z")
 # Keep one space between a LaTeX command and a following letter ("\pi r").
 _SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+")
 # A plain number followed by words ("5 cm", "4 hours", "40 percent", "12 cm^2",
@@ -225,6 +230,9 @@ _ASSIGNMENT_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?=")
 # A mixed number, the whole answer: "2\frac{1}{2}" is 2 + 1/2 (not the product 2 * 1/2) when the
 # fraction is proper.
 _MIXED_NUMBER_RE = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")
+# The same in plain text, "2 1/2" (read before whitespace goes: "21/2" would be another number).
+_PLAIN_MIXED_NUMBER_RE = re.compile(r"([-+]?)([0-9]+)[ \t]+([0-9]+)/([0-9]+)")
+_MAX_MIXED_NUMBER_DIGITS = 100
 _THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
@@ -265,28 +273,31 @@ def _drop_unit_words(m: re.Match) -> str | None:
 def normalize_answer(s: str) -> str:
     """Canonical string form of an answer, for exact comparison.
 
-    Removes whitespace, ``$``, ``\\!``/``\\,``-style spacing, ``\\left``/``\\right``,
+    Removes whitespace, ``$`` and ``\\(``/``\\[`` delimiters, ``\\!``/``\\,``-style spacing, ``\\left``/``\\right``,
     ``\\text{...}`` unit wrappers, plain unit words after a number (``5 cm``,
     ``40 percent``; never words that change the value: ``12 squared``, ``5 or
     more``, ``4 Pi`` stay, and a leading scale word multiplies: ``5 million`` ->
     ``5000000``), degrees (``^\\circ``), percent signs, trailing
     periods, thousands separators (``1,234`` but not ``(1,2)`` or the list ``2, 100``) and a leading
-    single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac`` to
+    single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac``/``\\cfrac`` to
     ``\\frac``, expands ``\\frac12``/``\\sqrt2`` shorthands and writes a mixed number
-    (``2\\frac{1}{2}``) as one fraction (``\\frac{5}{2}``). Linear time.
+    (``2\\frac{1}{2}``, ``2 1/2``) as one fraction (``\\frac{5}{2}``). Linear time.
     """
     if not isinstance(s, str):
         s = str(s)
     s = s.translate(_UNICODE_MAP)
     s = s.replace("\\$", "").replace("$", "")
     s = _LATEX_SPACING_RE.sub("", s)
-    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", s)
     s = _DEGREES_RE.sub("", s)
     s = s.replace("\\%", "%").replace("{,}", ",")
     s = _strip_text_wrappers(s)
     m = _PLAIN_UNITS_RE.fullmatch(s.strip())
     if m is not None:
         s = _drop_unit_words(m) or s
+    m = _PLAIN_MIXED_NUMBER_RE.fullmatch(s.strip())
+    if m is not None:
+        s = _mixed_number(*m.groups()) or s
     spaced_commas = re.search(r",\s", s) is not None  # "2, 100" is a list, "2,100" a number
     s = _SPACE_RE.sub(lambda m: m.group(1) + " " if m.group(1) else "", s).strip()
     s = s.rstrip(".")
@@ -302,10 +313,16 @@ def normalize_answer(s: str) -> str:
     s = re.sub(r"\\frac(\{[^{}]*\})([0-9])", r"\\frac\1{\2}", s)
     s = re.sub(r"\\sqrt ?([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)
     m = _MIXED_NUMBER_RE.fullmatch(s)
-    if m is not None and 0 < int(m.group(3)) < int(m.group(4)):
-        sign, whole, num, den = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
-        s = f"{'-' if sign == '-' else ''}\\frac{{{whole * den + num}}}{{{den}}}"
+    if m is not None:
+        s = _mixed_number(*m.groups()) or s
     return s.rstrip(".")
+
+
+def _mixed_number(sign: str, whole: str, num: str, den: str) -> str | None:
+    """``\\frac{whole * den + num}{den}`` (negative for sign ``-``) for a proper fraction num/den; else None."""
+    if max(len(whole), len(num), len(den)) > _MAX_MIXED_NUMBER_DIGITS or not 0 < int(num) < int(den):
+        return None
+    return f"{'-' if sign == '-' else ''}\\frac{{{int(whole) * int(den) + int(num)}}}{{{den}}}"
 
 
 # ---------------------------------------------------------------------------
@@ -573,6 +590,9 @@ def _is_tame(expr, point: dict) -> bool:
             b, p = mpmath.e if base is None else values.get(base), values.get(power)
             if b is None or p is None:
                 return False
+            trivial_base = base is not None and base in (sympy.S.Zero, sympy.S.One, sympy.S.NegativeOne)
+            if mpmath.isfinite(p) and abs(p) > MAX_EXPONENT_VALUE and not trivial_base:
+                return False
             if b != 0 and mpmath.isfinite(b) and mpmath.isfinite(p):  # oo stays symbolic
                 w = p * mpmath.log(b)  # |b**p| = exp(re(w))
                 if abs(w.real) > max_log or abs(w.imag) > limit:
@@ -640,7 +660,9 @@ def _parse(code: str):
         return None
     if _power_height(expr) > MAX_POWER_HEIGHT:
         return None
-    if not _is_tame(expr, {}):
+    # Symbols bound too: doit() may cancel them (2^{10^{30}x/x} is 2^{10^{30}}), leaving powers unchecked.
+    point = {x: sympy.Rational(3, 2) for x in expr.free_symbols}
+    if not _is_tame(expr, {}) or (point and not _is_tame(expr, point)):
         return None
     expr = expr.doit()  # evaluate now that the power guards have passed
     if expr.has(sympy.nan, sympy.zoo):
@@ -730,13 +752,19 @@ def _agree_at(a, b, point: dict, exact: bool) -> bool | None:
 
 
 def _agree_at_random_points(a, b, symbols: list, exact: bool) -> bool | None:
-    """Randomised identity test (fixed seed): True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n
-    where both are defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined."""
+    """Randomised identity test: True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n where both are
+    defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined.
+
+    The points are drawn with a seed hashed from the two expressions: the same pair always gets the same
+    points (rewards are reproducible), and no answer can be built to vanish at points known in advance.
+    """
+    import hashlib
     import random
 
     import sympy
 
-    rng, defined = random.Random(0), 0
+    digest = hashlib.sha256("\0".join(sorted((sympy.srepr(a), sympy.srepr(b)))).encode()).digest()
+    rng, defined = random.Random(int.from_bytes(digest[:8], "little")), 0
     for _ in range(_MAX_POINTS):
         point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
         agree = _agree_at(a, b, point, exact)
@@ -815,7 +843,9 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
         return fa == fb
     sa, sb = _as_sequence(a), _as_sequence(b)
     if sa is not None or sb is not None:
-        if sa is None or sb is None or sa[0] != sb[0] or len(sa[1]) != len(sb[1]):
+        unordered = ("set", "")  # a set and a bare list of solutions are the same answer
+        if sa is None or sb is None or len(sa[1]) != len(sb[1]) or (
+                sa[0] != sb[0] and not (sa[0] in unordered and sb[0] in unordered)):
             return False
         if sa[0] not in ("set", ""):  # tuples and intervals in order; sets and bare lists ("1, 2") in any
             return all(_equivalent(x, y, rel_tol) for x, y in zip(sa[1], sb[1]))
@@ -837,13 +867,14 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     and so ``xy`` != ``yx``); then exact rationals (ints, decimals,
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
     intervals element-wise (``\\{..\\}`` sets and bare lists such as the solutions
-    ``1, 2`` order-insensitively; one ``\\pm`` makes a list: ``\\pm 2`` == ``-2, 2``). Otherwise
+    ``1, 2`` order-insensitively, and alike: ``\\{1, 2\\}`` == ``2, 1``; one ``\\pm`` makes a list:
+    ``\\pm 2`` == ``-2, 2``). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length
     <= ``MAX_PARSE_CHARS``, exponent literals of at most ``MAX_EXPONENT_DIGITS``
     digits, power towers at most ``MAX_POWER_HEIGHT`` high, no value, ``exp`` or
     trig argument beyond 10**``MAX_VALUE_DIGITS``, root indices
     2..``MAX_ROOT_INDEX``, functions nested at most ``MAX_FUNCTION_DEPTH`` deep).
-    With symbols, both are first evaluated at 3 random points in [1, 2]^n
+    With symbols, both are first evaluated at 3 random points in [1, 2]^n (seeded by the two expressions)
     (exactly for rational functions, else to 50 digits; points where either is
     undefined are skipped): any disagreement gives False, agreement gives True
     for rational functions and for degrees above 16, and otherwise must be
