@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -360,7 +361,10 @@ def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarra
 
 
 def update_controls(controls: Controls, entropy: float, config: losses.LossConfig) -> Controls:
-    """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy."""
+    """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy (a
+    non-finite one, as from a skipped step, leaves them as they are)."""
+    if not math.isfinite(entropy):
+        return controls
     if config.entropy_target is not None:
         controls = controls.replace(entropy_coef=losses.adapt_entropy_coef(
             controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step,

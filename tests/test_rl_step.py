@@ -274,6 +274,7 @@ def test_the_adaptive_entropy_bonus_is_off_while_the_entropy_is_above_its_target
     assert (float(controls.entropy_coef), float(controls.entropy_bonus)) == pytest.approx((0.04, 0.0))
     controls = update_controls(controls, 0.3, config)
     assert (float(controls.entropy_coef), float(controls.entropy_bonus)) == pytest.approx((0.05, 0.05))
+    assert update_controls(controls, float("nan"), config) is controls  # a skipped step measured nothing
 
 
 def test_shaped_reward_components_are_logged_and_normalised_one_by_one(tmp_path, monkeypatch):
