@@ -289,7 +289,9 @@ def _dynamic_result(rounds, informative, generate: Generator, group_size: int, s
     global_rollout = from_process_local(tuple(x for x in local if x is not None), generate.mesh)
     rollout = Rollout(*global_rollout, *(None,) * (len(Rollout._fields) - len(global_rollout)))
     metrics = {"dynamic/rounds": float(len(rounds)), "dynamic/informative_frac": float(informative[0].mean()),
-               "dynamic/filled_groups": float(selection.filled), "dynamic/prompts_sampled": float(quota * len(rounds))}
+               "dynamic/filled_groups": float(selection.filled), "dynamic/prompts_sampled": float(quota * len(rounds)),
+               # the reward of the batch as sampled: reward/mean is over the selected (informative) groups
+               "dynamic/sampled_reward_mean": float(np.mean(scores[0].rewards))}
     return RolloutResult(problems, Generation(rollout, local, texts), scored, sample_s, reward_s, metrics)
 
 

@@ -78,6 +78,9 @@ def test_dynamic_sampling_in_the_loop(tmp_path):
         # a filled batch still holds some groups all correct or all wrong
         informative = 1 - r["prompts/all_correct_frac"] - r["prompts/none_correct_frac"]
         assert informative >= (4 - r["dynamic/filled_groups"]) / 4 - 1e-9
+        assert 0 <= r["dynamic/sampled_reward_mean"] <= 1
+        if r["dynamic/rounds"] == 1:  # the first round's groups are the batch
+            assert r["dynamic/sampled_reward_mean"] == pytest.approx(r["reward/mean"])
     assert any(r["dynamic/rounds"] > 1 for r in records), records
     timings = [r for r in read_metrics(tmp_path / "a" / "timings.jsonl") if "time/update_s" in r]
     assert len(timings) == 3 and all(t["time/idle_s"] == 0.0 for t in timings)  # no background rollout here
