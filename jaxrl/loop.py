@@ -330,7 +330,7 @@ def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, s
     """
     size = batch["tokens"].shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
-    collected, tokens = [], []
+    collected = []
     for _ in range(config.rl.epochs):
         order = order_rng.permutation(batch["tokens"].shape[0]) if config.rl.minibatches > 1 else None
         for m in range(config.rl.minibatches):
@@ -338,7 +338,11 @@ def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, s
                 lambda x: x[order[m * size:(m + 1) * size]], batch)
             state, metrics = step_fn(state, minibatch, controls, ref_policy)
             collected.append(metrics)
-            tokens.append(minibatch["loss_mask"].sum())
+    # Averaged on the host: an eager program on the batch here (a token count, say) would run beside the
+    # in-flight update, and two programs with cross-process collectives in flight at once can deadlock
+    # multi-process CPU (gloo) runs.
+    collected = jax.device_get(collected)
+    tokens = [m.pop("loss_tokens") for m in collected]
     per_update = [{k: v for k, v in m.items() if k in _PER_UPDATE_METRICS} for m in collected]
     per_token = [{k: v for k, v in m.items() if k not in _PER_UPDATE_METRICS} for m in collected]
     return state, jax.device_get({**losses.mean_over_updates(per_token, tokens),

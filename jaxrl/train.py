@@ -278,7 +278,8 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
     `make_rl_gradients` for the batch. Metrics: the loss terms' metrics, `grad_norm` (policy, before
     clipping), `critic_grad_norm` with a critic, and `skipped`: 1.0 when the loss or a gradient was not
-    finite, in which case the state is returned unchanged (parameters, optimizer state and step count).
+    finite, in which case the state is returned unchanged (parameters, optimizer state and step count),
+    and `loss_tokens`: the mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
     `update_policy=False` trains only the critic (PPO's critic warm-up): the policy and its optimizer state
     stay as they are.
     """
@@ -293,6 +294,7 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
             metrics["critic_grad_norm"] = optax.tree.norm(grads["critic"])
             finite &= jnp.isfinite(metrics["critic_grad_norm"])
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        metrics["loss_tokens"] = batch["loss_mask"].sum()
         def apply():
             new = _apply_gradients(state, optimizer, grads, critic_optimizer)
             if not update_policy:

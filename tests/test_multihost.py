@@ -3,14 +3,18 @@ gloo) trains a few steps of the default recipe; both processes must record the s
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # Per-process values: wall times, and the first decoded completion, which each process takes from its rows.
 LOCAL_FIELDS = ("time/", "eval/seconds", "eval/sample", "reward/seconds")
+TIMEOUT_S = 170  # about 40 s on the 2-core CI machine
 
 
 def _free_port() -> int:
@@ -29,7 +33,8 @@ def test_two_processes_train_the_default_recipe_and_agree(tmp_path):
     (out / "process_1").mkdir(parents=True)  # an earlier run's records: a fresh run starts them empty
     (out / "process_1" / "metrics.jsonl").write_text('{"phase": "rl", "step": 99}\n')
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's Python stack: where a hung run waits
     overrides = [f"output_dir={out}", "progress=false", "sft.steps=40", "rl.steps=3", "eval.every=2",
                  "task.num_eval=32", "eval.batch_size=16", "checkpoint.every=2", "reward.num_workers=1",
                  "mesh.data=-1", "mesh.fsdp=2",  # 4 devices over 2 processes: data 2 (across) x fsdp 2 (within)
@@ -38,7 +43,13 @@ def test_two_processes_train_the_default_recipe_and_agree(tmp_path):
                                    f"distributed.process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
-        results = [p.communicate(timeout=170) for p in processes]
+        results = [p.communicate(timeout=TIMEOUT_S) for p in processes]
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.send_signal(signal.SIGABRT)
+        stacks = [p.communicate(timeout=30)[1][-6000:] for p in processes]
+        pytest.fail(f"the two processes did not finish in {TIMEOUT_S} s; their stacks:\n" + "\n\n".join(
+            f"process {i}:\n{stderr}" for i, stderr in enumerate(stacks)))
     finally:
         for p in processes:
             p.kill()

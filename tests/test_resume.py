@@ -38,6 +38,22 @@ def _train(out, *extra) -> subprocess.CompletedProcess:
     return subprocess.run(_command(out, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
+def _train_side_by_side(*runs) -> list[subprocess.CompletedProcess]:
+    """`_train(out, *extra)` for each `(out, *extra)` of `runs`, all at once (the suite's wall time; and
+    results that must not depend on what else the machine runs)."""
+    processes = [(run, subprocess.Popen(_command(*run), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)) for run in runs]
+    results = []
+    try:
+        for run, process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    finally:
+        for _, process in processes:
+            process.kill()
+    return results
+
+
 def _state(out, step):
     return ocp.StandardCheckpointer().restore(os.path.join(out, "checkpoints", str(step), "state"))
 
@@ -122,22 +138,23 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path):
 
 
 def test_bad_resumes_name_the_problem(tmp_path):
-    missing = _train(tmp_path / "nothing", "resume=true")
+    out = tmp_path / "run"
+    missing, first = _train_side_by_side((tmp_path / "nothing", "resume=true"), (out, "rl.steps=4"))
     assert missing.returncode == 2
     assert "resume=true, but" in missing.stderr and "holds no checkpoint" in missing.stderr
-
-    out = tmp_path / "run"
-    first = _train(out, "rl.steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
-    other_shape = _train(out, "rl.steps=8", "model.hidden_size=64", "resume=true")
+
+    # Refused before they change anything, so they can all look at the run at once.
+    records, saved_config = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
+    other_shape, other_data, other_loss = _train_side_by_side(
+        (out, "rl.steps=8", "model.hidden_size=64", "resume=true"),
+        (out, "rl.steps=8", "rl.prompts_per_step=8", "task.num_train=300", "resume=true"),
+        (out, "rl.steps=8", "rl.loss.kl_coef=0", "rl.loss.entropy_target=0.5", "resume=true"))
     assert other_shape.returncode == 2
     assert "model.hidden_size: checkpoint 32, config 64" in other_shape.stderr, other_shape.stderr[-2000:]
-    other_data = _train(out, "rl.steps=8", "rl.prompts_per_step=8", "task.num_train=300", "resume=true")
     assert other_data.returncode == 2  # the saved data position would index another stream
     assert "task.num_train: checkpoint 200, config 300" in other_data.stderr, other_data.stderr[-2000:]
     assert "rl.prompts_per_step: checkpoint 4, config 8" in other_data.stderr
-    records, saved_config = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
-    other_loss = _train(out, "rl.steps=8", "rl.loss.kl_coef=0", "rl.loss.entropy_target=0.5", "resume=true")
     assert other_loss.returncode == 2
     assert "the checkpoint holds a reference policy" in other_loss.stderr, other_loss.stderr[-2000:]
     assert "the checkpoint lacks an adaptive entropy state" in other_loss.stderr
@@ -162,8 +179,7 @@ if __name__ == "__main__":
 def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
     """Everything but wall-clock durations (kept in timings.jsonl) is a function of the seed and config."""
     runs = [tmp_path / "a", tmp_path / "b"]
-    for out in runs:
-        result = _train(out, "rl.steps=3", "checkpoint.every=0")
+    for result in _train_side_by_side(*[(out, "rl.steps=3", "checkpoint.every=0") for out in runs]):
         assert result.returncode == 0, result.stderr[-3000:]
     first, second = ((out / "metrics.jsonl").read_bytes() for out in runs)
     assert first == second and len(first.splitlines()) > 4

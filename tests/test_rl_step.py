@@ -318,6 +318,7 @@ def test_a_step_with_a_planted_nan_is_skipped_and_leaves_the_state_untouched():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     trained, metrics = step(after, batch, controls)
     assert float(metrics["skipped"]) == 0.0 and int(trained.step) == 1
+    assert int(metrics["loss_tokens"]) == int(np.asarray(batch["loss_mask"]).sum()) > 0
     assert _relative_error(trained.policy.params, state.policy.params) > 0
 
 
