@@ -29,7 +29,7 @@ train: install  ## run the default recipe on CPU (override: make train CONFIG=..
 test: install-dev  ## the fast suite (what CI runs)
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q
 
-test-slow: install-dev  ## the slow suite: full default runs for two seeds
+test-slow: install-dev  ## the slow suite: full default runs for two seeds, the remaining presets and recipe
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow
 
 notebooks: install-dev  ## execute every notebook (small settings) in memory; fails when a cell fails

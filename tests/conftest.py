@@ -16,3 +16,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # cache every program, however quick
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+# XLA's CPU backend without LLVM's optimisations (XLA's own HLO passes, fusion included, still run): the suite's
+# programs are tiny, compiling them is most of its time, and this takes 7% off it (710 s vs 766 s, 2-core CPU,
+# 2026-11-25). The subprocesses the tests start inherit it; those that set XLA_FLAGS append to it.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()

@@ -33,7 +33,8 @@ def test_two_processes_train_the_default_recipe_and_agree(tmp_path):
     (out / "process_1").mkdir(parents=True)  # an earlier run's records: a fresh run starts them empty
     (out / "process_1" / "metrics.jsonl").write_text('{"phase": "rl", "step": 99}\n')
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
            "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's Python stack: where a hung run waits
     overrides = [f"output_dir={out}", "progress=false", "sft.steps=40", "rl.steps=3", "eval.every=2",
                  "task.num_eval=32", "eval.batch_size=16", "checkpoint.every=2", "reward.num_workers=1",

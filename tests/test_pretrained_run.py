@@ -186,7 +186,10 @@ def _family_checkpoint(directory, fixture, specials, template, tokenizer_config)
     (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": template}))
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPE_FIXTURES))
+# Qwen2.5's recipe shares its data schema (GSM8K) with Llama's and Gemma's and its model family with the HF
+# tests: it runs in the slow suite.
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if "qwen2.5" in r else r
+                                    for r in sorted(RECIPE_FIXTURES)])
 def test_recipe_runs_on_a_tiny_checkpoint_of_its_family(recipe, tmp_path):
     """Each real-model recipe, unchanged but for paths and sizes: float32 master weights, bfloat16 compute,
     its chat template and data schema, one RL step, the HF export."""

@@ -149,9 +149,14 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
 
 PRESET_ARGS = {name: [f"rl.loss.preset={name}"] for name in losses.PRESETS}
 PRESET_ARGS["ppo"].append("rl.critic.model=policy_copy")
+# In `make test`: the default (dapo), a KL to the reference (grpo), a critic (ppo), a sequence-level ratio (gspo)
+# and a masked, keyed batch (clip_cov). The others differ from these only in loss pieces that test_losses checks
+# one by one; they run in the slow suite (`make test-slow`).
+FAST_PRESETS = ("clip_cov", "dapo", "grpo", "gspo", "ppo")
 
 
-@pytest.mark.parametrize("preset", sorted(PRESET_ARGS))
+@pytest.mark.parametrize("preset", [p if p in FAST_PRESETS else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in sorted(PRESET_ARGS)])
 def test_every_preset_runs_the_default_recipe(preset, tmp_path, monkeypatch):
     records, updates = _run(tmp_path, monkeypatch, *PRESET_ARGS[preset])
     assert [r["step"] for r in records] == [1, 2]
@@ -236,7 +241,8 @@ def test_data_parallel_meshes_give_the_single_device_loss_and_gradient():
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
            "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env, cwd=os.path.dirname(here),
                             capture_output=True, text=True, timeout=600)
