@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # Per-process values: wall times, and the first decoded completion, which each process takes from its rows.
 LOCAL_FIELDS = ("time/", "eval/seconds", "eval/sample", "reward/seconds")
-TIMEOUT_S = 170  # about 40 s on the 2-core CI machine
+TIMEOUT_S = 170  # the run takes about 40 s on a 2-core machine
 
 
 def _free_port() -> int:
