@@ -194,6 +194,32 @@ EQUIVALENT = [
     (r"1 \pm \sqrt{2}", r"1-\sqrt{2}, 1+\sqrt{2}"),
     (r"\mp 3", "3, -3"),
     (r"\pm\frac{1}{2}", "0.5, -0.5"),
+    # repeating decimals
+    (r"0.\overline{3}", r"\frac{1}{3}"),
+    (r"1.2\overline{3}", r"\frac{37}{30}"),
+    (r"-0.\bar{6}", "-2/3"),
+    (r".\overline{142857}", r"\frac17"),
+    (r"0.\dot{3}", "1/3"),
+    (r"2\cdot 0.\overline{3}", "2/3"),
+    # a leading membership, like an assignment
+    (r"x \in (1, 2)", "(1,2)"),
+    (r"\{1,2\}", "{2, 1}"),
+    # multiple choice: a letter matches an answer leading with it, in any case
+    ("(B) 5", "B"),
+    ("b", "B"),
+    ("(b)", "(B)"),
+    ("B)", "B"),
+    (r"\text{(B)} 5", "B"),
+    (r"\textbf{(E)}\ 12", "E"),
+    ("Option C", "C"),
+    ("B. 12 apples", "B"),
+    ("(A) 2/3", r"\frac23"),  # a letter with a value against the value
+    ("e", "2.718281828459045"),  # a lone lower-case e is still Euler's number
+    # identities on the real domain, where simplify() keeps complex branches apart
+    (r"\log(x^3)", r"3\log x"),
+    (r"\ln(x^2)", r"2\ln(x)"),
+    (r"\sqrt{x}\sqrt{y}", r"\sqrt{xy}"),
+    (r"\log(xy)", r"\log x+\log y"),
 ]
 
 NOT_EQUIVALENT = [
@@ -264,6 +290,26 @@ NOT_EQUIVALENT = [
     ("2 1/2", "10.5"),
     # two polynomials that agree at the points a fixed seed drew (233/125, 697/500, 222/125)
     ("x^2+(1000x-1864)(1000x-1394)(1000x-1776)", "x^2"),
+    (r"0.\overline{3}", "0.3"),
+    (r"0.\overline{3}", "0.333"),
+    (r"0.\dot{1}\dot{6}", "16/99"),  # one dotted digit only: not read, so not equal
+    # multiple choice: another letter, two letters, a letter set equal to something, a wrong value
+    ("(B) 5", "C"),
+    ("A and C", "A"),
+    ("(B) or (C)", "B"),
+    ("B = 5", "B"),
+    ("(B) 5", "(C) 5"),
+    ("(B) 5", "6"),
+    ("(B) A", "B"),
+    ("Bob", "B"),
+    ("B5", "B"),
+    ("5", "B"),
+    ("(k)", "K"),  # letters A-J only
+    ("x", "X"),
+    # equal where both are real, and where they are not the same
+    (r"\sqrt{x^2}", "x"),  # |x|: both real at x < 0, and they differ there
+    (r"\sqrt{x^2 y}", r"x\sqrt{y}"),
+    (r"\log(x^3)", r"2\log x"),
 ]
 
 

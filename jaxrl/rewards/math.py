@@ -234,6 +234,14 @@ _MIXED_NUMBER_RE = re.compile(r"([-+]?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")
 _PLAIN_MIXED_NUMBER_RE = re.compile(r"([-+]?)([0-9]+)[ \t]+([0-9]+)/([0-9]+)")
 _MAX_MIXED_NUMBER_DIGITS = 100
 _THOUSANDS_RE = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
+# A repeating decimal, read after whitespace goes: "0.\overline{3}", "1.2\overline{36}", "0.\bar{6}",
+# "0.\dot{3}" (one repeating digit: "0.\dot{1}\dot{6}" is not read). Starting
+# only where a run of digits starts keeps it linear.
+_REPEATING_DECIMAL_RE = re.compile(
+    r"(?<![0-9])([0-9]*)\.([0-9]*)\\(?:overline|bar|dot)(?:\{([0-9]+)\}|([0-9]))(?![0-9]|\\dot)")
+_MAX_REPEATING_DIGITS = 100
+# A leading membership, "x\in(1,2)" -> "(1,2)", like the assignment "x=5" -> "5".
+_MEMBERSHIP_RE = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\\in(?![A-Za-z])")
 
 
 def _are_unit_words(text: str) -> bool:
@@ -280,7 +288,8 @@ def normalize_answer(s: str) -> str:
     ``5000000``), degrees (``^\\circ``), percent signs, trailing
     periods, thousands separators (``1,234`` but not ``(1,2)`` or the list ``2, 100``) and a leading
     single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac``/``\\cfrac`` to
-    ``\\frac``, expands ``\\frac12``/``\\sqrt2`` shorthands and writes a mixed number
+    ``\\frac``, expands ``\\frac12``/``\\sqrt2`` shorthands, reads a repeating decimal (``0.\\overline{3}``
+    -> ``\\frac{3}{9}``), drops a leading membership (``x\\in(1,2)``) and writes a mixed number
     (``2\\frac{1}{2}``, ``2 1/2``) as one fraction (``\\frac{5}{2}``). Linear time.
     """
     if not isinstance(s, str):
@@ -306,6 +315,10 @@ def normalize_answer(s: str) -> str:
     m = _ASSIGNMENT_RE.match(s)
     if m is not None and s.count("=") == 1:
         s = s[m.end() :]
+    m = _MEMBERSHIP_RE.match(s)
+    if m is not None:
+        s = s[m.end() :]
+    s = _REPEATING_DECIMAL_RE.sub(_repeating_decimal, s)
     if not spaced_commas and _THOUSANDS_RE.fullmatch(s):
         s = s.replace(",", "")
     s = re.sub(r"\\frac([0-9])([0-9])", r"\\frac{\1}{\2}", s)
@@ -316,6 +329,16 @@ def normalize_answer(s: str) -> str:
     if m is not None:
         s = _mixed_number(*m.groups()) or s
     return s.rstrip(".")
+
+
+def _repeating_decimal(m: re.Match) -> str:
+    """``1.2\\overline{3}`` -> ``\\frac{111}{90}``: the digits through one period, less those before it,
+    over 10**(fixed digits) * (10**(period) - 1); unchanged if too long."""
+    whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3) or m.group(4)
+    if len(whole) + len(fixed) + len(period) > _MAX_REPEATING_DIGITS:
+        return m.group(0)
+    numerator = int(whole + fixed + period) - int(whole + fixed)
+    return f"\\frac{{{numerator}}}{{{10 ** len(fixed) * (10 ** len(period) - 1)}}}"
 
 
 def _mixed_number(sign: str, whole: str, num: str, den: str) -> str | None:
@@ -371,10 +394,12 @@ def _split_top_level(s: str) -> list[str] | None:
 
 
 def _as_sequence(s: str) -> tuple[str, list[str]] | None:
-    """``(1,2)`` -> ("()", ["1", "2"]); ``\\{1,2\\}`` -> ("set", ...); None if not a tuple."""
+    """``(1,2)`` -> ("()", ["1", "2"]); ``\\{1,2\\}`` and ``{1,2}`` -> ("set", ...); None if not a tuple."""
     kind, inner = "", s
     if s.startswith("\\{") and s.endswith("\\}"):
         kind, inner = "set", s[2:-2]
+    elif len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _split_top_level(s[1:-1]) is not None:
+        kind, inner = "set", s[1:-1]  # a set written without LaTeX escapes
     elif len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
         whole = _split_top_level(s[1:-1])  # outer pair must enclose everything
         if whole is not None:
@@ -751,20 +776,28 @@ def _agree_at(a, b, point: dict, exact: bool) -> bool | None:
     return abs(va - vb) <= min(scale, 1) * mpmath.mpf(10) ** -_AGREE_DIGITS
 
 
-def _agree_at_random_points(a, b, symbols: list, exact: bool) -> bool | None:
-    """Randomised identity test: True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n where both are
-    defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined.
-
-    The points are drawn with a seed hashed from the two expressions: the same pair always gets the same
-    points (rewards are reproducible), and no answer can be built to vanish at points known in advance.
-    """
+def _points_rng(a, b, stream: int):
+    """A ``random.Random`` seeded from the two expressions (in either order), one of 4 independent ``stream``s:
+    the same pair always gets the same points (rewards are reproducible), and no answer can be built to
+    vanish at points known in advance."""
     import hashlib
     import random
 
     import sympy
 
     digest = hashlib.sha256("\0".join(sorted((sympy.srepr(a), sympy.srepr(b)))).encode()).digest()
-    rng, defined = random.Random(int.from_bytes(digest[:8], "little")), 0
+    return random.Random(int.from_bytes(digest[8 * stream : 8 * stream + 8], "little"))
+
+
+def _agree_at_random_points(a, b, symbols: list, exact: bool) -> bool | None:
+    """Randomised identity test: True if ``a`` and ``b`` agree at ``_POINTS`` points in [1, 2]^n where both are
+    defined, False if they differ at one, None if too few of ``_MAX_POINTS`` are defined.
+
+    The points are drawn by ``_points_rng``.
+    """
+    import sympy
+
+    rng, defined = _points_rng(a, b, 0), 0
     for _ in range(_MAX_POINTS):
         point = {x: sympy.Rational(rng.randint(1000, 2000), 1000) for x in symbols}
         agree = _agree_at(a, b, point, exact)
@@ -808,8 +841,44 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         agree = _agree_at(ea, eb, {}, exact=False)
         if agree is not None:
             return agree
-    diff = sympy.simplify(diff)
-    return diff == 0  # a non-zero, undefined or symbolic difference is not equivalence
+    if sympy.simplify(diff) == 0:
+        return True
+    # simplify() keeps log(x^3) - 3 log(x) for complex x; on the real domain they are equal.
+    return bool(symbols) and agree is True and _equal_on_real_domain(ea, eb, symbols)
+
+
+def _real_at(expr, point: dict) -> bool:
+    """Whether ``point`` is in ``expr``'s real domain: every subexpression real and finite there."""
+    import mpmath
+    import sympy
+
+    if not _is_tame(expr, point):
+        return False
+    for node in sympy.postorder_traversal(expr):
+        value = _mp(node.evalf(15, subs=point))
+        if value is None or not mpmath.isfinite(value) or abs(mpmath.im(value)) > 1e-12 * max(1, abs(value)):
+            return False
+    return True
+
+
+def _equal_on_real_domain(a, b, symbols: list) -> bool:
+    """Whether ``a == b`` wherever both are real (``\\log(x^3)`` and ``3\\log x``; ``\\sqrt{x}\\sqrt{y}`` and
+    ``\\sqrt{xy}``): ``simplify`` proves it for positive symbols, and at random points with a negative
+    coordinate where every subexpression of both is real they must agree too (``\\sqrt{x^2}`` is not ``x``:
+    both are real at x = -3/2 and differ)."""
+    import sympy
+
+    positive = {x: sympy.Symbol(x.name, positive=True) for x in symbols}
+    if sympy.simplify((a - b).xreplace(positive)) != 0:
+        return False
+    rng = _points_rng(a, b, 1)
+    for _ in range(_MAX_POINTS):
+        point = {x: sympy.Rational(rng.choice((-1, 1)) * rng.randint(1000, 2000), 1000) for x in symbols}
+        if all(v > 0 for v in point.values()) or not (_real_at(a, point) and _real_at(b, point)):
+            continue
+        if _agree_at(a, b, point, exact=False) is not True:
+            return False
+    return True
 
 
 _PLUS_MINUS_RE = re.compile(r"\\pm(?![a-zA-Z])|\\mp(?![a-zA-Z])|\u00b1|\u2213")
@@ -859,6 +928,46 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
     return _sympy_equivalent(a, b, rel_tol)
 
 
+# A multiple-choice letter leading an answer: "(B)", "(b)", "b)", "B", "B." or "B:" before a space or the
+# end, a lone "b", each optionally after "Option"/"Choice"; what follows is its value ("(B) 12").
+_CHOICE_RE = re.compile(
+    r"(?:(?i:option|choice)[ \t]*:?[ \t]*)?"
+    r"(?:\(([A-Ja-j])\)|([A-Ja-j])\)|([A-J])(?:[.:](?=\s|\Z))?(?=\s|\Z)|([a-j])\Z)\s*(.*)",
+    re.DOTALL,
+)
+_BARE_CHOICE_RE = re.compile(r"\(?([A-J])\)?")  # a reference that is only a letter: "B", "(B)"
+_OTHER_CHOICE_RE = re.compile(r"\b[A-J]\b|\([a-j]\)|\A[=<>^*/]")  # "(B) or C", "(B) = 5": not one choice
+
+
+def _choice_text(s: str) -> str:
+    """``s`` without ``$``, ``\\text{}`` wrappers and LaTeX spacing, spaces kept: ``\\text{(B)} 12`` -> ``(B) 12``."""
+    s = _strip_text_wrappers(_LATEX_SPACING_RE.sub("", s.translate(_UNICODE_MAP).replace("$", "")))
+    return s.strip().rstrip(".").strip()
+
+
+def _leading_choice(s: str) -> tuple[str, str] | None:
+    """``(letter, value)`` of an answer that starts with one multiple-choice letter (upper case), else None."""
+    m = _CHOICE_RE.fullmatch(s)
+    if m is None or _OTHER_CHOICE_RE.search(m.group(5)):
+        return None
+    return next(g for g in m.groups()[:4] if g).upper(), m.group(5)
+
+
+def _choice_equivalent(a: str, b: str, rel_tol: float) -> bool | None:
+    """Multiple choice: a bare letter (``B``, ``(B)``) matches an answer that leads with that letter in any
+    case (``b``, ``(b)``, ``B) 12``, ``Option B``); two answers leading with letters match if the letters do;
+    a letter with a value matches a plain value equal to its value. None (compare as usual) otherwise."""
+    a, b = _choice_text(a), _choice_text(b)
+    choice_a, choice_b = _leading_choice(a), _leading_choice(b)
+    if choice_a is None and choice_b is None:
+        return None
+    bare = _BARE_CHOICE_RE.fullmatch(a) or _BARE_CHOICE_RE.fullmatch(b)
+    if bare is not None or (choice_a is not None and choice_b is not None):
+        return choice_a is not None and choice_b is not None and choice_a[0] == choice_b[0]
+    _, value = choice_a or choice_b
+    return True if value and _equivalent(value, b if choice_a else a, rel_tol) else None
+
+
 def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool:
     """Whether ``answer`` and ``reference`` denote the same mathematical value.
 
@@ -868,7 +977,8 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     ``1e3``, ``a/b``, ``\\frac{a}{b}``; ``50%`` counts as ``50``), then tuples /
     intervals element-wise (``\\{..\\}`` sets and bare lists such as the solutions
     ``1, 2`` order-insensitively, and alike: ``\\{1, 2\\}`` == ``2, 1``; one ``\\pm`` makes a list:
-    ``\\pm 2`` == ``-2, 2``). Otherwise
+    ``\\pm 2`` == ``-2, 2``). A multiple-choice letter (``B``, ``(B)``) matches an answer leading with it in
+    any case and nothing else (``(b) 12`` yes, ``A or B`` no). Otherwise
     both sides are rewritten from LaTeX to sympy syntax, guarded (length
     <= ``MAX_PARSE_CHARS``, exponent literals of at most ``MAX_EXPONENT_DIGITS``
     digits, power towers at most ``MAX_POWER_HEIGHT`` high, no value, ``exp`` or
@@ -878,7 +988,8 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     (exactly for rational functions, else to 50 digits; points where either is
     undefined are skipped): any disagreement gives False, agreement gives True
     for rational functions and for degrees above 16, and otherwise must be
-    confirmed by ``simplify(a - b) == 0``. Without symbols, a plain number
+    confirmed by ``simplify(a - b) == 0``, or, for the real domain, by ``simplify`` with positive symbols and
+    agreement at points with negative coordinates where every subexpression of both is real. Without symbols, a plain number
     against a closed form is compared to ``rel_tol`` (``\\pi/2`` ==
     ``1.5707963267948966``) and two closed forms must agree to 50 digits
     (``simplify(a - b) == 0`` decides only where they cannot be evaluated).
@@ -889,7 +1000,8 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
             reference = str(reference)
         if not isinstance(answer, str) or not isinstance(reference, str):
             return False
-        return _equivalent(answer, reference, rel_tol)
+        choice = _choice_equivalent(answer, reference, rel_tol)
+        return _equivalent(answer, reference, rel_tol) if choice is None else choice
     except Exception:  # noqa: BLE001 - graders must never crash training
         return False
 
