@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import operator
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,7 @@ __all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "dump_yaml", "r
 
 T = TypeVar("T")
 
-_SCALARS = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
+_SCALARS = {bool: "a bool (true or false)", int: "an int", float: "a float", str: "a str"}
 _BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="),
            "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
 
@@ -70,6 +71,40 @@ def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
 
 
 _Loader.add_constructor("tag:yaml.org,2002:str", _construct_str)
+
+# YAML 1.2's scalars, not PyYAML's YAML 1.1 ones: only true/false are bools (``initialize=on`` is the string
+# "on", ``yes`` a string), an int is decimal (``seed=010`` is 10, not octal 8) or 0x/0o-prefixed, and there
+# are no base-60 numbers (``steps=1:30`` is a string, not 90).
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    base = {"0x": 16, "0o": 8}.get(text[:2].lower(), 10)
+    return int(text[2:] if base != 10 else text, base)
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    return loader.construct_scalar(node).lower() == "true"
+
+
+_Loader.add_constructor(_INT, _construct_int)
+_Loader.add_constructor(_BOOL, _construct_bool)
 
 
 @dataclasses.dataclass
@@ -155,9 +190,15 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
                               f"mapping of 'field: value' pairs, got a {node.id}")
         return _section_from_node(node, loader, name, "", name)
     except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
+        mark, opened = e.problem_mark or e.context_mark, e.context_mark
+        reason = _yaml_reason(e)
+        if opened is not None and mark is not None and opened.line != mark.line:
+            if mark.index >= len(text.rstrip()):  # at the end of the file: where the open thing began says more
+                mark = opened
+            else:
+                reason += f" (it began at line {opened.line + 1})"
         line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{name}{line}: invalid YAML: {_yaml_reason(e)}") from None
+        raise ConfigError(f"{name}{line}: invalid YAML: {reason}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{name}: invalid YAML: {e}") from None
     finally:

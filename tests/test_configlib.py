@@ -265,6 +265,25 @@ def test_yaml_syntax_error(tmp_path):
     raises(lambda: load_config(Root, write(tmp_path, "seed: 1\n  bad: indent\n")), ":2: invalid YAML")
 
 
+def test_yaml_1_2_scalars(tmp_path):
+    """on/off/yes/no are strings, ints are decimal, no base-60: PyYAML's YAML 1.1 reads them otherwise."""
+    path = write(tmp_path, "seed: 010\nmodel:\n  name: on\n")
+    config = load_config(Root, path, ["optim.warmup_steps=0x10"])
+    assert (config.seed, config.model.name, config.optim.warmup_steps) == (10, "on", 16)
+    assert load_config(Root, None, ["model.name=off", "debug=true"]).model == Model(name="off")
+    raises(lambda: load_config(Root, None, ["debug=yes"]), "debug: expected a bool (true or false), got 'yes'")
+    raises(lambda: load_config(Root, None, ["total_steps=1:30"]), "total_steps: expected an int, got '1:30'")
+
+
+def test_unclosed_bracket_is_reported_where_it_opens(tmp_path):
+    path = write(tmp_path, "seed: 1\noptim:\n  betas: [0.9, 0.95\n  warmup_steps: 3\n")
+    raises(lambda: load_config(Root, path), f"{path}:4: invalid YAML", "(it began at line 3)")
+    path = write(tmp_path, "seed: 1\noptim:\n  betas: [0.9, 0.95\n")
+    raises(lambda: load_config(Root, path), f"{path}:3: invalid YAML")  # not line 4, the end of the file
+    path = write(tmp_path, "seed: 1\nmodel:\n  name: 'tiny\n")
+    raises(lambda: load_config(Root, path), f"{path}:3: invalid YAML")
+
+
 def test_missing_file(tmp_path):
     raises(lambda: load_config(Root, tmp_path / "nope.yaml"), "nope.yaml", "not found")
 
