@@ -193,9 +193,10 @@ class BaseTokenizer(abc.ABC):
                             **kwargs: Any) -> str:
         """Render `messages` (`[{"role": ..., "content": ...}, ...]`) with `chat_template`.
 
-        The template sees `messages`, `add_generation_prompt`, the special token strings (`bos_token`, ...) and
-        `kwargs` (e.g. `tools`, `enable_thinking`; they override the special tokens). The result already holds
-        the template's BOS text: encode it with `encode_prompt(..., templated=True)`.
+        The template sees `messages`, `add_generation_prompt`, `tools=None` and `documents=None` (defined as in
+        transformers, so that a template's `tools is not none` test is false), the special token strings
+        (`bos_token`, ...) and `kwargs` (e.g. `tools`, `enable_thinking`; they override all of these). The
+        result already holds the template's BOS text: encode it with `encode_prompt(..., templated=True)`.
         """
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template (looked for chat_template.jinja and "
@@ -204,7 +205,7 @@ class BaseTokenizer(abc.ABC):
         if getattr(self, "_compiled_source", None) is not self.chat_template:
             self._compiled_template = compile_chat_template(self.chat_template, origin)
             self._compiled_source = self.chat_template
-        variables = {**self.special_tokens, **kwargs}
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
             return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                   **variables)
@@ -344,13 +345,19 @@ Tokenizer = SentencePieceTokenizer  # the historical name
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
     """Train a BPE sentencepiece model on `texts` (deterministic; digits always split one per token).
 
-    Pieces 0-3 are `<pad>`, `<unk>`, `<s>` (BOS), `</s>` (EOS).
+    Pieces 0-3 are `<pad>`, `<unk>`, `<s>` (BOS), `</s>` (EOS). Text is not normalised, so every text made of
+    the corpus's characters decodes back exactly (`decode(encode(t)) == t`): newlines, tabs, repeated and
+    leading spaces and characters such as `½` are kept, not rewritten (sentencepiece's default `nmt_nfkc`
+    normaliser with `remove_extra_whitespaces` turns `\n`/`\t` into spaces, merges spaces and maps `½` to
+    `1⁄2`, which alters prompts and leaves a policy no way to write a newline). Every character of `texts`
+    is a piece (`character_coverage=1.0`); a character absent from them encodes as `<unk>`.
     """
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=proto, vocab_size=vocab_size, model_type="bpe",
         split_digits=True, hard_vocab_limit=False, character_coverage=1.0, num_threads=1,
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
     )
     return SentencePieceTokenizer(proto.getvalue())
 

@@ -316,6 +316,16 @@ def test_template_environment_matches_transformers():
     assert rendered == '{"content": "é"}|{\n "content": "é"\n}\n<|im_end|>'
 
 
+def test_tools_and_documents_are_none_unless_given():
+    """As in transformers, `tools` and `documents` are defined (None): a template's `is not none` test is false."""
+    template = ("{% if tools is not none %}T{{ tools | length }}|{% endif %}"
+                "{% if documents is not none %}D|{% endif %}{{ messages[0].content }}")
+    tok = HFTokenizer(RawTokenizer.from_str(train_bpe(QWEN_SPECIALS)), eos_token="<|im_end|>",
+                      chat_template=template)
+    assert tok.apply_chat_template(USER) == "What is 2+2?"
+    assert tok.apply_chat_template(USER, tools=[{"name": "f"}], documents=[]) == "T1|D|What is 2+2?"
+
+
 def test_template_sources(tmp_path, backends):
     qwen_json = backends["qwen"]
     as_list = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": CHATML}]

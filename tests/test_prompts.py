@@ -62,14 +62,30 @@ def test_code_rows_and_non_string_references(tmp_path):
     tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]
     path = write_jsonl(tmp_path / "code.jsonl", [
         {"prompt": "Read two ints, print their sum.", "tests": tests},
-        {"prompt": "Echo.", "tests": {"input": ["a"], "output": ["a"]}},
+        {"prompt": "Echo.", "tests": {"input": ["a\n", "b\n"], "output": ["a\n", "b\n"]}},  # APPS form
+        {"prompt": "Write f.", "tests": [{"assert": "assert f(2) == 4", "input": None, "output": None}]},
         {"prompt": "Answer with a number.", "tests": 42},
     ])
     records, _ = load_prompts(path, CODE)
     assert json.loads(records[0].reference) == {"tests": tests}
     assert records[0].reference == json.dumps({"tests": tests})
-    assert json.loads(records[1].reference) == {"tests": {"input": ["a"], "output": ["a"]}}
-    assert records[2].reference == "42"
+    # The APPS dict of lists becomes the list of {input, output} pairs code_reward runs (it scores a dict 0).
+    assert json.loads(records[1].reference) == {"tests": [{"input": "a\n", "output": "a\n"},
+                                                          {"input": "b\n", "output": "b\n"}]}
+    assert json.loads(records[2].reference) == {"tests": [{"assert": "assert f(2) == 4"}]}  # Parquet-style nulls
+    assert records[3].reference == "42"
+
+
+def test_apps_references_earn_the_reward_of_the_list_form(tmp_path):
+    from jaxrl.rewards import code_reward
+
+    path = write_jsonl(tmp_path / "code.jsonl", [
+        {"prompt": "Echo a line.", "tests": {"input": ["a\n"], "output": ["a\n"]}},
+        {"prompt": "Echo a line.", "tests": [{"input": "a\n", "output": "a\n"}]},
+    ])
+    records, _ = load_prompts(path, CODE)
+    completion = "```python\nprint(input())\n```"
+    assert [code_reward(completion, r.reference) for r in records] == [1.0, 1.0]
 
 
 def test_default_fields(tmp_path):
@@ -100,13 +116,35 @@ BAD_ROWS = [
     ({"prompt": "p", "tests": True}, CODE, "field 'tests' has unsupported type bool"),
     ({"prompt": "p", "tests": float("nan")}, CODE, "field 'tests' is nan, not a finite number"),
     ({"prompt": "p", "tests": float("inf")}, CODE, "field 'tests' is inf, not a finite number"),
+    # Code tests code_reward cannot run (it would score them 0 forever).
+    ({"prompt": "p", "tests": []}, CODE, "field 'tests' has no tests"),
+    ({"prompt": "p", "tests": {"input": [], "output": []}}, CODE, "field 'tests' has no tests"),
+    ({"prompt": "p", "tests": {"input": ["1"], "output": ["1", "2"]}}, CODE,
+     "field 'tests': 'input' has 1 items but 'output' has 2"),
+    ({"prompt": "p", "tests": {"inputs": ["1"], "outputs": ["1"]}}, CODE,
+     "field 'tests': an object must be {\"input\": [...], \"output\": [...]} (lists of strings), got keys "
+     "inputs, outputs"),
+    ({"prompt": "p", "tests": {"input": "1", "output": "1"}}, CODE, "field 'tests': an object must be"),
+    ({"prompt": "p", "tests": ["1", "2"]}, CODE,
+     "field 'tests' test 0 must have string 'input' and 'output' or a string 'assert', got '1'"),
+    ({"prompt": "p", "tests": [{"input": "1", "output": "1"}, {"input": "1", "output": 1}]}, CODE,
+     "field 'tests' test 1 must have string 'input' and 'output' or a string 'assert'"),
+    ({"prompt": "p", "tests": {"input": [1], "output": ["1"]}}, CODE,
+     "field 'tests' test 0 must have string 'input' and 'output' or a string 'assert'"),
+    # Lone surrogates (valid JSON escapes, invalid Unicode): tokenizers and programs fail on them.
+    ({"question": "smile \ud83d then 2+2=", "answer": "#### 4"}, GSM8K,
+     "field 'question' has a lone surrogate '\\ud83d' at character 6 (invalid Unicode)"),
+    ({"question": "q", "answer": "#### 4 \udc00"}, GSM8K,
+     "field 'answer' has a lone surrogate '\\udc00' at character 7"),
+    ({"prompt": "p", "tests": [{"input": "1", "output": "1"}, {"assert": "assert '\ud800'"}]}, CODE,
+     "field 'tests' test 1 'assert' has a lone surrogate '\\ud800' at character 8"),
 ]
 
 
 @pytest.mark.parametrize("bad,fields,message", BAD_ROWS, ids=[m for _, _, m in BAD_ROWS])
 def test_bad_row_errors_name_file_line_and_field(tmp_path, bad, fields, message):
     good = {"question": "q", "answer": "#### 1", "problem": "p", "solution": "\\boxed{1}", "prompt": "p",
-            "tests": []}
+            "tests": [{"assert": "assert True"}]}
     path = write_jsonl(tmp_path / "train.jsonl", [good, "", bad, good])
     with pytest.raises(ValueError) as info:
         load_prompts(path, fields)

@@ -1,9 +1,11 @@
 """The sentencepiece tokenizer of the built-in task and the batch layouts built from it."""
 
+import io
 import json
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 from jaxrl.data import arithmetic
 from jaxrl.tokenizer import (SentencePieceTokenizer, Tokenizer, TokenizerError, encode_examples, encode_prompt,
@@ -28,6 +30,34 @@ def test_round_trip_and_digits_split(tokenizer, tmp_path):
 def test_training_is_deterministic(tokenizer):
     train, _ = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=500, num_eval=10), 0)
     assert train_tokenizer(arithmetic.tokenizer_corpus(train), 32).model_proto == tokenizer.model_proto
+
+
+def test_text_is_not_normalised():
+    """Newlines, tabs, repeated and leading spaces and characters like ½ survive encode/decode; sentencepiece's
+    default normaliser turned them into spaces (a policy could never write a newline) and ½ into 1⁄2."""
+    code = "def f(x):\n    if x:\n        return x\n\treturn 0"
+    texts = [code, "Write a function.\nIt returns ½ or ２.", "a  b", " lead\n\n"]
+    tokenizer = train_tokenizer(texts * 30, 64)
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.token_to_id("\n") is not None  # a policy can emit a newline
+    assert train_tokenizer(texts * 30, 64).model_proto == tokenizer.model_proto  # still deterministic
+
+
+def test_arithmetic_vocabulary_is_what_the_default_normaliser_gave(tokenizer):
+    """The built-in task's text is ASCII with single spaces, so not normalising it changes nothing: same pieces
+    and encodings as a model trained with sentencepiece's default normaliser (the one used before)."""
+    train, _ = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=500, num_eval=10), 0)
+    corpus = arithmetic.tokenizer_corpus(train)
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=proto, vocab_size=32, model_type="bpe", split_digits=True,
+        hard_vocab_limit=False, character_coverage=1.0, num_threads=1, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        minloglevel=2)
+    default = SentencePieceTokenizer(proto.getvalue())
+    pieces = lambda t: [t._sp.id_to_piece(i) for i in range(t.vocab_size)]  # noqa: E731
+    assert pieces(tokenizer) == pieces(default)
+    assert [tokenizer.encode(t) for t in corpus] == [default.encode(t) for t in corpus]
 
 
 def test_decode_stops_at_eos_and_tolerates_out_of_range_ids(tokenizer):

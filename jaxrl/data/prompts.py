@@ -6,8 +6,14 @@ are described by `PromptFields`. Presets for common layouts:
 - GSM8K: `PromptFields("question", "answer", reference_pattern=r"#### (.+)$")`
 - MATH: `PromptFields("problem", "solution", reference_from="boxed")` (`jaxrl.rewards.math.extract_answer`:
   the last `\\boxed{...}`, falling back to `####`, "the answer is", then the last number)
-- code contests: `PromptFields("prompt", "tests")`; a list/dict reference (whatever its field name) becomes
-  `json.dumps({"tests": value})`, a number `json.dumps(value)` (e.g. `"42"`).
+- code contests: `PromptFields("prompt", "tests")`; a list/dict reference (whatever its field name) holds the
+  tests `jaxrl.rewards.sandbox.code_reward` runs and becomes `json.dumps({"tests": [...]})`: a non-empty list
+  whose items are `{"input": str, "output": str}` or `{"assert": str}`, or the APPS form `{"input": [str, ...],
+  "output": [str, ...]}` (equal lengths; paired up into that list). Any other shape is a bad row: the reward
+  would score it 0 forever. A number becomes `json.dumps(value)` (e.g. `"42"`).
+
+Text (prompt, reference, test strings) must be valid Unicode: a lone surrogate (JSON `"\\ud83d"` without its
+pair) is a bad row, since no tokenizer or program can take it.
 
 Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>` for Parquet, 0-based), or with
 `skip_bad_rows=True` are skipped, counted and the first few logged.
@@ -85,6 +91,43 @@ class _BadRow(ValueError):
     """A row that cannot become a PromptRecord; the message is the reason, without the location."""
 
 
+def _check_text(text: str, what: str) -> str:
+    """`text`, or _BadRow naming `what` and the position of a lone surrogate (JSON allows `"\\ud83d"` alone;
+    it is no Unicode text, and tokenizers and programs fail on it far from the row)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _BadRow(f"{what} has a lone surrogate {text[e.start]!r} at character {e.start} "
+                      f"(invalid Unicode)") from None
+    return text
+
+
+def _code_tests(raw: list | dict, name: str) -> list[dict[str, str]]:
+    """The tests `code_reward` runs (`jaxrl.rewards.sandbox`: `{"input", "output"}` or `{"assert"}` items), from
+    a list of them or the APPS form `{"input": [...], "output": [...]}`; _BadRow for any other shape, which the
+    reward would silently score 0."""
+    if isinstance(raw, dict):
+        if set(raw) != {"input", "output"} or not all(isinstance(raw[k], list) for k in ("input", "output")):
+            raise _BadRow(f"field {name!r}: an object must be {{\"input\": [...], \"output\": [...]}} (lists of "
+                          f"strings), got keys {', '.join(sorted(map(str, raw)))}")
+        if len(raw["input"]) != len(raw["output"]):
+            raise _BadRow(f"field {name!r}: 'input' has {len(raw['input'])} items but 'output' has "
+                          f"{len(raw['output'])}")
+        raw = [{"input": i, "output": o} for i, o in zip(raw["input"], raw["output"])]
+    if not raw:
+        raise _BadRow(f"field {name!r} has no tests")
+    tests = []
+    for n, test in enumerate(raw):
+        if isinstance(test, dict) and isinstance(test.get("assert"), str):
+            tests.append({"assert": _check_text(test["assert"], f"field {name!r} test {n} 'assert'")})
+        elif isinstance(test, dict) and isinstance(test.get("input"), str) and isinstance(test.get("output"), str):
+            tests.append({k: _check_text(test[k], f"field {name!r} test {n} {k!r}") for k in ("input", "output")})
+        else:
+            raise _BadRow(f"field {name!r} test {n} must have string 'input' and 'output' or a string 'assert', "
+                          f"got {repr(test)[:80]}")
+    return tests
+
+
 def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
     """One parsed row -> PromptRecord, or raise _BadRow with the reason."""
     if not isinstance(row, dict):
@@ -102,10 +145,11 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
         raise _BadRow(f"field {fields.prompt!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise _BadRow(f"field {fields.prompt!r} is empty")
+    _check_text(prompt, f"field {fields.prompt!r}")
 
     raw = get(fields.reference)
     if isinstance(raw, str):
-        reference = raw
+        reference = _check_text(raw, f"field {fields.reference!r}")
         if fields.reference_pattern is not None:
             match = re.search(fields.reference_pattern, raw)
             if match is None:
@@ -123,7 +167,7 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
         raise _BadRow(f"field {fields.reference!r} must be a string to extract the reference from, "
                       f"got {type(raw).__name__}")
     elif isinstance(raw, (list, dict)):
-        reference = json.dumps({"tests": raw})
+        reference = json.dumps({"tests": _code_tests(raw, fields.reference)})
     elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
         if not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
             raise _BadRow(f"field {fields.reference!r} is {raw!r}, not a finite number")
