@@ -24,7 +24,11 @@ for float fields. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
 ``ValueError``. A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
-the section's explicitly set fields then apply on top, whatever their order. Every problem raises :class:`ConfigError`, whose message names
+the section's explicitly set fields then apply on top, whatever their order. :func:`dump_yaml` writes
+such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
+defaults, give (:func:`to_dict` keeps every field),
+so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
+Every problem raises :class:`ConfigError`, whose message names
 the dotted field and, when known, ``file:line`` or the offending override, e.g.
 ``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
 """
@@ -150,8 +154,15 @@ def to_dict(config) -> dict:
 
 
 def dump_yaml(config) -> str:
-    """YAML text of a config; ``load_config(type(config), file_with_this_text)`` gives it back."""
-    return yaml.safe_dump(to_dict(config), sort_keys=False)
+    """YAML text of a config; ``load_config(type(config), file_with_this_text)`` gives it back.
+
+    Unlike :func:`to_dict`, a section with presets is written as ``preset: <name>`` (if set) plus only the fields
+    that differ from what that preset alone (or the defaults) give, so that overriding the preset on the dumped
+    file changes what the preset governs, as it would on the original recipe.
+    """
+    if not _is_dataclass_instance(config):
+        raise TypeError(f"dump_yaml expects a dataclass instance, got {type(config).__name__}")
+    return yaml.safe_dump(_dump(config, type(config)()), sort_keys=False)
 
 
 def replace_path(config: T, dotted: str, value) -> T:
@@ -465,6 +476,32 @@ def _show(value) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def _dump(config, start, minimal: bool = False) -> dict:
+    """The fields of ``config`` for :func:`dump_yaml`, given ``start``: the value loading starts this section
+    from. A section with presets (and everything in it) lists only the fields that differ from ``start``,
+    after its preset when ``start`` has another one (loading then restarts from the defaults updated with it);
+    other sections list every field."""
+    cls, out = type(config), {}
+    if getattr(cls, "PRESETS", None) is not None and "preset" in {f.name for f in dataclasses.fields(cls)}:
+        minimal = True
+        preset = config.preset
+        if preset != start.preset:
+            out["preset"] = preset
+            if preset is not None:  # loading restarts from it; an explicit null keeps what loading had
+                start = from_dict(cls, {"preset": preset}, source=f"preset {preset!r}")
+    for f in dataclasses.fields(config):
+        if not f.init or f.name in out:
+            continue
+        value, begin = getattr(config, f.name), getattr(start, f.name)
+        if minimal and value == begin:
+            continue
+        if _is_dataclass_instance(value):  # a section merges into the value loading has for it
+            out[f.name] = _dump(value, begin if isinstance(begin, type(value)) else type(value)(), minimal)
+        else:
+            out[f.name] = _plain(value)
+    return out
 
 
 def _plain(value):

@@ -85,3 +85,26 @@ def test_malformed_config_names_the_field(tmp_path, capsys, yaml_text, overrides
     # The CLI turns the same error into a one-line message and exit status 2, before any work starts.
     assert cli.main(["train", str(path), *overrides]) == 2
     assert "configuration error" in capsys.readouterr().err
+
+
+from pathlib import Path  # noqa: E402
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("changes", [[], ["rl.loss.clip_eps_high=0.5"], ["rl.loss.preset=null", "rl.loss.kl_coef=0.1"]])
+def test_dumped_recipe_loads_back_and_takes_another_preset_like_the_recipe(tmp_path, recipe, changes):
+    """A run's config.yaml acts as its recipe: equal when loaded, and rl.loss.preset=X on it gives what
+    rl.loss.preset=X on the recipe gives (the dump writes the preset and only the fields that differ)."""
+    assert len(RECIPES) >= 5
+    config = load_config(Config, recipe, changes)
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(dump_yaml(config))
+    assert load_config(Config, dumped) == config
+    for name in type(config.rl.loss).PRESETS:
+        overrides = [f"rl.loss.preset={name}"] + (["rl.critic.model=policy_copy"] if name == "ppo" else [])
+        assert load_config(Config, dumped, overrides) == load_config(Config, recipe, changes + overrides), name
+    gspo = load_config(Config, dumped, ["rl.loss.preset=gspo"]).rl.loss
+    assert (gspo.ratio, gspo.clip_eps_low, gspo.aggregation) == ("sequence", 3e-4, "seq-mean-token-mean")
+    assert gspo.clip_eps_high == (0.5 if "rl.loss.clip_eps_high=0.5" in changes else 4e-4)

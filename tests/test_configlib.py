@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import pytest
+import yaml
 
 from jaxrl.configlib import ConfigError, dump_yaml, from_dict, load_config, replace_path, to_dict
 
@@ -397,3 +398,53 @@ def test_presets_start_from_the_named_values_and_explicit_fields_win(tmp_path):
     with pytest.raises(ConfigError, match=r"c.yaml:4: loss.preset: expected one of 'wide', 'tight' or null"):
         path.write_text("loss:\n  clip:\n    high: 0.3\n  preset: narrow\n")
         load_config(WithObjective, path)
+
+
+@dataclass(frozen=True)
+class Stack:
+    PRESETS: ClassVar[dict] = {"deep": {"depth": 3, "loss": {"preset": "wide"}}}
+    preset: Literal["deep"] | None = None
+    depth: int = 1
+    loss: Objective = field(default_factory=Objective)
+
+
+@dataclass(frozen=True)
+class WithStack:
+    seed: int = 0
+    stack: Stack = field(default_factory=Stack)
+
+
+def test_dump_yaml_writes_a_preset_section_as_the_preset_and_its_differences(tmp_path):
+    path = write(tmp_path, "loss:\n  clip:\n    high: 0.3\n  preset: wide\n", "recipe.yaml")
+    config = load_config(WithObjective, path)
+    dumped = write(tmp_path, dump_yaml(config), "dumped.yaml")
+    assert yaml.safe_load(dumped.read_text()) == {"loss": {"preset": "wide", "clip": {"high": 0.3}}}
+    assert to_dict(config)["loss"] == {"preset": "wide", "mode": "sum", "clip": {"low": 0.2, "high": 0.3}}
+    assert load_config(WithObjective, dumped) == config
+    # Another preset on the dumped config gives what it gives on the recipe: the old preset's values go.
+    for overrides in (["loss.preset=tight"], ["loss.preset=null"], ["loss.preset=tight", "loss.mode=sum"]):
+        assert load_config(WithObjective, dumped, overrides) == load_config(WithObjective, path, overrides)
+    assert load_config(WithObjective, dumped, ["loss.preset=tight"]).loss == Objective("tight", "mean", Clip(0.01, 0.3))
+    # A field set back to its default still differs from the preset, so it is written.
+    config = WithObjective(Objective("wide", "mean", Clip(0.2, 0.5)))
+    assert yaml.safe_load(dump_yaml(config)) == {"loss": {"preset": "wide", "mode": "mean"}}
+    assert load_config(WithObjective, write(tmp_path, dump_yaml(config), "d2.yaml")) == config
+
+
+@pytest.mark.parametrize("recipe", [
+    "",
+    "seed: 4\nstack:\n  preset: deep\n",
+    "stack:\n  preset: deep\n  loss:\n    clip:\n      high: 0.7\n",
+    "stack:\n  preset: deep\n  depth: 5\n  loss:\n    preset: tight\n    mode: sum\n",
+    "stack:\n  preset: deep\n  loss:\n    preset: null\n",
+    "stack:\n  loss:\n    preset: tight\n    clip:\n      high: 0.9\n",
+])
+def test_dump_yaml_round_trips_nested_presets(tmp_path, recipe):
+    path = write(tmp_path, recipe, "recipe.yaml")
+    config = load_config(WithStack, path)
+    dumped = write(tmp_path, dump_yaml(config), "dumped.yaml")
+    assert load_config(WithStack, dumped) == config
+    for overrides in (["stack.preset=deep"], ["stack.preset=null"], ["stack.loss.preset=tight"]):
+        assert load_config(WithStack, dumped, overrides) == load_config(WithStack, path, overrides)
+    # A config.yaml written before (every field explicit) still loads as the same config.
+    assert load_config(WithStack, write(tmp_path, yaml.safe_dump(to_dict(config)), "old.yaml")) == config
