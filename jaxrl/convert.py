@@ -41,8 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import models
 from jaxrl import configlib
 from models.configs import ModelConfig
-from models.hf import CheckpointError, copy_non_weight_files
-from models.partitioning import param_axes
+from models.hf import CheckpointError, copy_non_weight_files, load_config
 from models.transformer import Policy
 
 __all__ = ["POLICY_FORMAT", "RUN_MODEL_FILE", "ConvertResult", "Source", "convert", "describe_source", "load_policy",
@@ -172,19 +171,22 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source = describe_source(path)
-    shardings = None
-    if layout is not None:
-        shardings = lambda param_path, shape: layout.sharding(param_axes(param_path, len(shape)), shape)  # noqa: E731
     if source.kind == "hf":
-        policy = models.from_pretrained(source.directory, dtype, compute_dtype=compute_dtype, mesh=mesh,
-                                        shardings=shardings, progress=progress)
-        return policy if layout is None else policy.replace(layout=layout)
-    if source.kind == "policy":
+        config = load_config(source.directory)  # for its head_dim; from_pretrained applies the dtypes
+    elif source.kind == "policy":
         config = _policy_model_config(source.directory)
         params_dir, subtree = os.path.join(source.directory, PARAMS_DIR), None
     else:
         config = _run_model_config(source.config_file)
         params_dir, subtree = os.path.join(source.directory, "state"), "params"
+    shardings = None
+    if layout is not None:
+        layout = layout.for_model(config)  # weights split whole heads, as their activations and KV cache
+        shardings = layout.param_sharding
+    if source.kind == "hf":
+        policy = models.from_pretrained(source.directory, dtype, compute_dtype=compute_dtype, mesh=mesh,
+                                        shardings=shardings, progress=progress)
+        return policy if layout is None else policy.replace(layout=layout)
     policy = _restore(config, params_dir, subtree, dtype, mesh, shardings)
     if compute_dtype is not None and compute_dtype != policy.config.dtype:
         config = dataclasses.replace(policy.config, dtype=compute_dtype)

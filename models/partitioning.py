@@ -8,7 +8,10 @@ and `fsdp`). A `Layout` (mesh + rules) travels with a `Policy` as static data; t
 `Layout.constrain` on its activations and the train step on gradients, parameters and optimizer state.
 
 A dimension that the mesh axes of its rule do not divide (2 KV heads on `tensor=4`) keeps only the leading
-axes that do divide it (replicated in the worst case), and is reported once in the log.
+axes that do divide it (replicated in the worst case), and is reported once in the log. A weight dimension
+labelled by a heads axis is the flattened `heads * head_dim`: with the model's `head_dim` known
+(`Layout.for_model`) it is tested on its number of heads, so that q/k/v/o weights split whole heads exactly
+when the heads of the activations and the KV cache are split.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]  # (logical name, mesh axes it i
 # Names of parameter dimensions. `heads` / `kv_heads` / `mlp` label the flattened `heads * head_dim` and
 # intermediate dimensions of the HF `[out, in]` weight layout.
 PARAM_AXES = ("embed", "vocab", "heads", "kv_heads", "mlp", "norm")
+# Axes counting attention heads: `[heads]` in activations and KV caches, `[heads * head_dim]` in weights.
+HEAD_AXES = ("heads", "kv_heads")
 # Names of activation dimensions: `[batch, seq, activation_embed]` hidden states, `[batch, seq, heads,
 # head_dim]` queries, `[batch, kv_heads, cache_len, head_dim]` KV caches, `[batch, mlp]` MLP hiddens.
 ACTIVATION_AXES = ("batch", "seq", "activation_embed", "head_dim", "cache_len")
@@ -109,9 +114,19 @@ class Layout:
 
     mesh: Mesh
     rules: Rules = DEFAULT_RULES
+    # The size of one attention head of the model whose parameters this layout places (`for_model`). A weight
+    # dimension labelled by a heads axis is then split only over mesh axes that divide its number of heads,
+    # as its activations and KV cache are. None: on its flattened size (may split heads and all-gather them).
+    head_dim: int | None = None
 
     def __post_init__(self):
         check_rules(self.rules, tuple(self.mesh.axis_names))
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {self.head_dim}")
+
+    def for_model(self, config: Any) -> "Layout":
+        """This layout for the parameters of a model of `config` (a `ModelConfig`: its `head_dim`)."""
+        return dataclasses.replace(self, head_dim=config.head_dim)
 
     def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
         """The `PartitionSpec` of an array of `shape` whose dimensions have logical names `axes`."""
@@ -135,10 +150,22 @@ class Layout:
         """`x` constrained to its logical layout (inside `jax.jit`; guidance for XLA's propagation)."""
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
 
+    def param_sharding(self, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        """The `NamedSharding` of the parameter at `path` (as `param_axes`) of `shape`. A dimension labelled by
+        a heads axis is tested on its number of heads, `size // head_dim`, when `head_dim` is known: whole
+        heads per device, as in the activations and the KV cache (`heads` / `kv_heads` of both)."""
+        axes = param_axes(path, len(shape))
+        if self.head_dim is not None:
+            for name, size in zip(axes, shape):
+                if name in HEAD_AXES and size % self.head_dim:
+                    raise ValueError(f"parameter dimension {name!r} of size {size} is not a whole number of "
+                                     f"heads of head_dim {self.head_dim}")
+            shape = tuple(size // self.head_dim if name in HEAD_AXES else size for name, size in zip(axes, shape))
+        return self.sharding(axes, shape)  # axes that divide the head count divide heads * head_dim too
+
     def param_shardings(self, params: Any) -> Any:
         """A `NamedSharding` for every parameter of a policy's params (or of any tree shaped like them)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: self.sharding(param_axes(path, x.ndim), x.shape), params)
+        return jax.tree_util.tree_map_with_path(lambda path, x: self.param_sharding(path, x.shape), params)
 
     def constrain_params(self, params: Any) -> Any:
         return jax.tree.map(jax.lax.with_sharding_constraint, params, self.param_shardings(params))

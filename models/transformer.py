@@ -390,6 +390,7 @@ def shard(policy: Policy, layout: Layout) -> Policy:
     """The policy with its parameters placed on `layout.mesh` by their logical axes (FSDP over `embed`,
     tensor parallelism over heads, MLP columns and vocabulary with the default rules), and the layout kept so
     that jitted functions constrain activations, KV caches and gradients to match."""
+    layout = layout.for_model(policy.config)  # weights split whole heads, as their activations and KV cache
     return policy.replace(params=jax.device_put(policy.params, layout.param_shardings(policy.params)),
                           layout=layout)
 
