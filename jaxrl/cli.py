@@ -1,6 +1,5 @@
 """`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl eval CONFIG checkpoint=PATH [key=value ...]`,
-`jaxrl convert SRC DST [options]`,
-`jaxrl bench sample [options]`."""
+`jaxrl convert SRC DST [options]`, `jaxrl bench sample|train [options]`."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ A YAML recipe lists only what it changes from these defaults; `key.sub=value` ov
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, get_args
 
 from jaxrl.advantages import NEEDS_CRITIC, Estimator
@@ -149,10 +150,10 @@ class RewardConfig:
     num_workers: int = _field(2, ge=1)
     # Per completion; a stuck worker is killed and replaced. For `code`, all of a problem's test runs share it
     # (each ~20-50 ms to start, at most 5 s): runs that no longer fit score as failed, with a logged warning.
-    timeout_s: float = _field(2.0, gt=0)
+    timeout_s: float = _field(2.0, gt=0, lt=math.inf)
     # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
     # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
-    batch_timeout_s: float | None = _field(None, gt=0)
+    batch_timeout_s: float | None = _field(None, gt=0, lt=math.inf)
     # Shaping, composed with the verifiable reward ("correct", weight 1) by jaxrl.rewards.compose; each
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
     format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
@@ -219,6 +220,9 @@ class EvalConfig:
     temperature: float = _field(1.0, gt=0)
 
     def validate(self) -> None:
+        if not self.samples and (self.pass_k != (1,) or self.temperature != 1.0):
+            raise ValueError("eval.pass_k and eval.temperature set how eval.samples completions per problem are "
+                             "sampled and scored: set eval.samples (0 evaluates greedily only)")
         if self.samples and not self.pass_k:
             raise ValueError("eval.pass_k is empty: list the k of pass@k and maj@k, e.g. [1, 4]")
         if self.samples and max(self.pass_k) > self.samples:
@@ -267,7 +271,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seed: int = _field(0, ge=0)
+    seed: int = _field(0, ge=0, le=2**32 - 1)  # the data shuffle (grain) takes 32 bits
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard
@@ -291,6 +295,8 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
 
     def validate(self) -> None:
+        if not self.output_dir.strip():
+            raise ValueError("output_dir is empty: name the run's directory")
         estimator = self.rl.loss.advantage.estimator
         if estimator in ("gtpo", "grpo_s") and (set(self.reward.component_weights()) != {"correct"}
                                                  or self.reward.function == "code"):
@@ -306,9 +312,6 @@ class Config:
                              "set sft.steps=0")
         if self.data.system_prompt is not None and not self.data.chat_template:
             raise ValueError("data.system_prompt needs data.chat_template: true")
-        if self.pretrained.path is None and (self.tokenizer.path is not None or self.data.chat_template):
-            raise ValueError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
-                             "model uses the sentencepiece tokenizer trained for it")
         if self.pretrained.path is None and self.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(f"tokenizer.vocab_size ({self.tokenizer.vocab_size}) exceeds "
                              f"model.vocab_size ({self.model.vocab_size})")

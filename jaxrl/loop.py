@@ -7,6 +7,7 @@ is `config.rl.loss` (any preset or composition of `jaxrl.losses`), or a loss ter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -39,8 +40,8 @@ from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
                             layout_from, process_local, process_max, process_rows, replicate, shard_batch)
-from jaxrl.tokenizer import (BaseTokenizer, encode_examples, encode_prompt, left_pad, load_tokenizer, round_up,
-                             train_tokenizer)
+from jaxrl.tokenizer import (BaseTokenizer, ChatTemplateError, TokenizerError, encode_examples, encode_prompt,
+                             left_pad, load_tokenizer, round_up, train_tokenizer)
 from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
 from models.hf import CheckpointError
@@ -417,6 +418,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     With `rl.steps=0` the run saves the warm-started policy as checkpoint 0, so that later runs can start
     from it with `pretrained.path=<output_dir> sft.steps=0` (the run's tokenizer comes with it).
     """
+    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
+        raise ValueError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
+                         "model trains with the sentencepiece tokenizer trained for it")
     wall_start = time.perf_counter()
     times: dict[str, float] = {}
     initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
@@ -426,17 +430,32 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     if resume_step is None:
         _check_fresh_output_dir(config)
 
-    # Data, policy and tokenizer: everything that can refuse the config runs before the output dir changes.
+    # Everything that can refuse the config runs before the output dir changes: data, mesh and batch sizes,
+    # policy, tokenizer, prompt rendering, the critic and, to resume, the checkpoint itself.
     t0 = time.perf_counter()
     train_problems, eval_problems, corpus, data_totals = load_task(config)
     layout = layout_from(config.mesh)
     mesh = layout.mesh
     check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
-    os.makedirs(out, exist_ok=True)
-    policy, tokenizer = _policy_and_tokenizer(config, corpus, layout)
+    policy, tokenizer, tokenizer_file = _policy_and_tokenizer(config, corpus, layout)
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{policy.config.vocab_size} embeddings")
+    generate = _generator(train_problems + eval_problems, tokenizer, mesh, config)
+    critic_trunk = _critic_trunk(config, policy)
+    resumed = None
+    if resume_step is not None:  # the warm-started policy, its evaluation and the RL state come from the run
+        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
+        state, controls = _rl_start(config, policy, critic_trunk)
+        keep_ref = config.rl.loss.needs_ref_logp or config.rl.loss.needs_full_kl
+        try:
+            resumed = _restore(checkpointer, resume_step, state, controls, state.policy if keep_ref else None)
+        except BaseException:
+            checkpointer.close()
+            raise
+        before = _recorded_evaluation(os.path.join(out, "metrics.jsonl"))
+
+    os.makedirs(out, exist_ok=True)
     metrics_path = _metrics_path(out)  # each process keeps its own records: process_<i>/ for i > 0
     if resume_step is None:
         _remove_records(metrics_path)
@@ -445,24 +464,26 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     if is_primary():
         if resume_step is None:
             _prepare_output_dir(out)
+        _keep_tokenizer(config, tokenizer, tokenizer_file)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(configlib.dump_yaml(config))
         with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:  # the model this run trains: read by load_policy
             f.write(configlib.dump_yaml(policy.config))
-    generate = Generator.fitting([p.prompt for p in train_problems + eval_problems], tokenizer, mesh,
-                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
-                                 config.tokenizer.stop_strings)
     times["data_time_s"] = time.perf_counter() - t0
     reward_fn = reward_fn or REWARD_FUNCTIONS[config.reward.function]
     max_new = config.rl.sampling.max_new_tokens
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
-    checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
+    if resume_step is None:
+        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
     tensorboard_dir = os.path.join(out, "tensorboard") if config.tensorboard and is_primary() else None
-    with MetricsWriter(metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"),
-                       tensorboard_dir) as writer, \
-            rewards.RewardPool(reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
-                               batch_timeout_s=config.reward.batch_timeout_s) as pool:
+    with contextlib.ExitStack() as finally_close:
+        finally_close.callback(checkpointer.close)  # on an error too: an async save in flight is finished
+        writer = finally_close.enter_context(MetricsWriter(
+            metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"), tensorboard_dir))
+        pool = finally_close.enter_context(rewards.RewardPool(
+            reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
+            batch_timeout_s=config.reward.batch_timeout_s))
         if resume_step is None:
             t0 = time.perf_counter()
             state = warm_start(policy, config, generate, train_problems, writer)
@@ -473,14 +494,13 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
             times["eval_before_time_s"] = time.perf_counter() - t0
             writer.write({"phase": "rl", "step": 0, **before})
             log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
-        else:  # the warm-started policy, its evaluation and the RL state come from the run being resumed
-            state = init_train_state(policy, optimizer_from(config.sft.optim))
-            before = _recorded_evaluation(os.path.join(out, "metrics.jsonl"))
+        else:
+            state = resumed[0]
             log.info("resuming %s after RL step %d", out, resume_step)
 
         t0 = time.perf_counter()
         state, controls, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer,
-                                      checkpointer, loss, advantage_fn, resume_step)
+                                      checkpointer, loss, advantage_fn, resume_step, resumed, critic_trunk)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -491,7 +511,6 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         times["eval_after_time_s"] = time.perf_counter() - t0
         writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
 
-    checkpointer.close()
     if config.pretrained.path is not None and config.pretrained.export_hf:
         exported = state.policy.replace(params=allgather(state.policy.params), layout=None)  # whole on each process
         if is_primary():
@@ -544,14 +563,8 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
         policy = load_policy(checkpoint, layout=layout, progress=config.progress)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {e}") from None
-    tokenizer_path = _tokenizer_files(checkpoint, config.tokenizer.path)
-    if tokenizer_path is None or not os.path.exists(os.path.expanduser(tokenizer_path)):
-        raise CheckpointError(f"checkpoint: no tokenizer found for {checkpoint} (looked for {tokenizer_path}); "
-                              "set tokenizer.path")
-    tokenizer = load_tokenizer(os.path.expanduser(tokenizer_path), stop_tokens=config.tokenizer.stop_tokens)
-    generate = Generator.fitting([p.prompt for p in eval_problems], tokenizer, layout.mesh,
-                                 config.data.chat_template, config.data.system_prompt, config.data.prompt_buckets,
-                                 config.tokenizer.stop_strings)
+    tokenizer = _load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
+    generate = _generator(eval_problems, tokenizer, layout.mesh, config)
     with rewards.RewardPool(REWARD_FUNCTIONS[config.reward.function], num_workers=config.reward.num_workers,
                             timeout_s=config.reward.timeout_s, batch_timeout_s=config.reward.batch_timeout_s) as pool:
         result = evaluate(policy, generate, eval_problems, pool, config.eval.batch_size,
@@ -562,18 +575,32 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
     return {"checkpoint": os.path.abspath(checkpoint), "kind": source.kind, "step": source.step, **result}
 
 
-def _critic(config: Config, policy):
-    """The value model of `rl.critic`: on a copy of the policy's trunk, or on a separately loaded network."""
-    if config.rl.critic.model == "policy_copy":
-        return init_critic(policy)
-    trunk = load_policy(config.rl.critic.checkpoint, layout=policy.layout)
+def _critic_trunk(config: Config, policy: models.Policy) -> models.Policy | None:
+    """The separately loaded network of `rl.critic.model=separate` (None otherwise), checked against the policy."""
+    if config.rl.critic.model != "separate":
+        return None
+    path = config.rl.critic.checkpoint
+    try:
+        trunk = load_policy(path, layout=policy.layout)
+    except CheckpointError as e:
+        raise CheckpointError(f"rl.critic.checkpoint: {e}") from None
     if trunk.config.vocab_size < policy.config.vocab_size:
-        raise ValueError(f"rl.critic.checkpoint {config.rl.critic.checkpoint}: its vocabulary has "
-                         f"{trunk.config.vocab_size} tokens, fewer than the policy's {policy.config.vocab_size}; "
-                         "the critic reads the policy's token ids")
-    log.info("critic: %s (%d layers, hidden %d)", config.rl.critic.checkpoint, trunk.config.num_layers,
-             trunk.config.hidden_size)
-    return init_critic(trunk)
+        raise ValueError(f"rl.critic.checkpoint {path}: its vocabulary has {trunk.config.vocab_size} tokens, fewer "
+                         f"than the policy's {policy.config.vocab_size}; the critic reads the policy's token ids")
+    log.info("critic: %s (%d layers, hidden %d)", path, trunk.config.num_layers, trunk.config.hidden_size)
+    return trunk
+
+
+def _rl_start(config: Config, policy: models.Policy, critic_trunk: models.Policy | None
+              ) -> tuple[TrainState, Controls]:
+    """The RL state and controls before the first step: `policy` with RL's optimizer and, with `rl.critic`, a
+    value model on a copy of its trunk or on `critic_trunk` (`_critic_trunk`)."""
+    rl = config.rl
+    critic = critic_optimizer = None
+    if rl.critic.model != "none":
+        critic, critic_optimizer = init_critic(critic_trunk or policy), optimizer_from(rl.critic.optim)
+    state = init_train_state(policy, optimizer_from(rl.optim), critic, critic_optimizer)
+    return state, Controls.initial(rl.loss, rl.sampling.temperature)
 
 
 def check_batch_sizes(config: Config, mesh_shape: dict[str, int], data_shards: int = 1) -> None:
@@ -582,8 +609,12 @@ def check_batch_sizes(config: Config, mesh_shape: dict[str, int], data_shards: i
     fields and the numbers otherwise, before anything is compiled or written."""
     parallel = mesh_shape["data"] * mesh_shape["fsdp"]
     where = f"the data-parallel size {parallel} (mesh data={mesh_shape['data']} x fsdp={mesh_shape['fsdp']})"
-    batches = {"rl.prompts_per_step x rl.group_size": config.rl.prompts_per_step * config.rl.group_size,
+    rl = config.rl
+    batches = {"rl.prompts_per_step x rl.group_size": rl.prompts_per_step * rl.group_size,
                "eval.batch_size": config.eval.batch_size}
+    if rl.minibatches * rl.micro_batches > 1:  # each micro-batch of an update splits over the devices too
+        batches["rl.prompts_per_step x rl.group_size // (rl.minibatches x rl.micro_batches)"] = (
+            rl.prompts_per_step * rl.group_size // (rl.minibatches * rl.micro_batches))
     if config.sft.steps:
         batches["sft.batch_size"] = config.sft.batch_size
     if config.eval.samples:  # the sampled evaluation prefills eval.batch_size // eval.samples problems per call
@@ -607,18 +638,22 @@ def _metrics_path(out: str) -> str:
 
 
 def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layout
-                          ) -> tuple[models.Policy, BaseTokenizer]:
+                          ) -> tuple[models.Policy, BaseTokenizer, str | None]:
     """The pretrained checkpoint and its tokenizer, or a fresh `config.model` and a sentencepiece tokenizer
-    trained on the task's text (saved next to the run's outputs); the policy placed by `layout`."""
+    trained on the task's text; the policy placed by `layout`. Writes nothing: the third item is the
+    tokenizer file the run keeps (`_keep_tokenizer`), None for a trained tokenizer."""
+    stop_tokens = config.tokenizer.stop_tokens
     if config.pretrained.path is None:
         saved = os.path.join(config.output_dir, "tokenizer.model")
         if config.resume and os.path.exists(saved):  # the resumed run's own tokenizer
-            tokenizer = load_tokenizer(saved)
+            tokenizer = load_tokenizer(saved, stop_tokens=stop_tokens)
         else:
-            tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size)
-        if is_primary() and not config.resume:
-            tokenizer.save(saved)
-        return models.shard(models.init(config.model, config.seed), layout), tokenizer
+            try:
+                tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size, stop_tokens=stop_tokens)
+            except RuntimeError as e:  # sentencepiece's trainer: "Vocabulary size is smaller than required_chars"
+                raise TokenizerError(f"tokenizer.vocab_size={config.tokenizer.vocab_size}: sentencepiece cannot "
+                                     f"train on the task's text: {str(e).splitlines()[-1]}") from None
+        return models.shard(models.init(config.model, config.seed), layout), tokenizer, None
     pretrained = config.pretrained
     try:
         policy = load_policy(pretrained.path, dtype=pretrained.dtype, compute_dtype=pretrained.compute_dtype,
@@ -626,19 +661,48 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layo
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
     policy = models.replace_config(policy, attention_impl=pretrained.attention_impl, remat=pretrained.remat)
-    tokenizer_path = _tokenizer_files(pretrained.path, config.tokenizer.path)
-    if tokenizer_path is None:
-        raise CheckpointError(f"pretrained.path: {pretrained.path} holds no tokenizer files: set tokenizer.path")
-    tokenizer_path = os.path.expanduser(tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_path, stop_tokens=config.tokenizer.stop_tokens)
-    saved = os.path.join(config.output_dir, "tokenizer.model")
-    if is_primary() and tokenizer_path.endswith(".model") and not (os.path.exists(saved)
-                                                                    and os.path.samefile(tokenizer_path, saved)):
-        shutil.copyfile(tokenizer_path, saved)  # a sentencepiece model stays with the run (as `jaxrl eval` expects)
+    tokenizer = _load_checkpoint_tokenizer(pretrained.path, config, "pretrained.path")
     log.info("loaded %s (%s, %.1fM parameters) and its tokenizer (%d tokens, stop ids %s)", pretrained.path,
              policy.config.family, models.num_parameters(policy.config) / 1e6, tokenizer.vocab_size,
              tokenizer.stop_ids)
-    return policy, tokenizer
+    tokenizer_file = os.path.expanduser(_tokenizer_files(pretrained.path, config.tokenizer.path))
+    return policy, tokenizer, tokenizer_file if tokenizer_file.endswith(".model") else None
+
+
+def _load_checkpoint_tokenizer(checkpoint: str, config: Config, field: str) -> BaseTokenizer:
+    """The tokenizer of `checkpoint` (`_tokenizer_files`) with `tokenizer.stop_tokens`; a `CheckpointError`
+    naming `field` (or `tokenizer.path` when set) if there is none."""
+    configured = config.tokenizer.path
+    path = _tokenizer_files(checkpoint, configured)
+    if path is None:
+        raise CheckpointError(f"{field}: {checkpoint} holds no tokenizer files: set tokenizer.path")
+    try:
+        return load_tokenizer(os.path.expanduser(path), stop_tokens=config.tokenizer.stop_tokens)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        where = "tokenizer.path" if configured else field
+        hint = "" if configured else "; set tokenizer.path"
+        raise CheckpointError(f"{where}: {e}{hint}") from None
+
+
+def _generator(problems, tokenizer: BaseTokenizer, mesh, config: Config) -> Generator:
+    """The sampler front end for `problems`' prompts (rendered, encoded and bucketed now: a template that
+    refuses them fails here, naming `data.chat_template`)."""
+    try:
+        return Generator.fitting([p.prompt for p in problems], tokenizer, mesh, config.data.chat_template,
+                                 config.data.system_prompt, config.data.prompt_buckets, config.tokenizer.stop_strings)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"data.chat_template: {e}") from None
+
+
+def _keep_tokenizer(config: Config, tokenizer: BaseTokenizer, tokenizer_file: str | None) -> None:
+    """Write the run's `tokenizer.model` (as `jaxrl eval` and `pretrained.path=<run>` expect): the trained one,
+    or a copy of the pretrained sentencepiece file; an HF tokenizer stays with the checkpoint it came from."""
+    saved = os.path.join(config.output_dir, "tokenizer.model")
+    if config.pretrained.path is None:
+        if not (config.resume and os.path.exists(saved)):
+            tokenizer.save(saved)
+    elif tokenizer_file is not None and not (os.path.exists(saved) and os.path.samefile(tokenizer_file, saved)):
+        shutil.copyfile(tokenizer_file, saved)
 
 
 def _tokenizer_files(path: str, configured: str | None) -> str | None:
@@ -661,17 +725,16 @@ def _hf_files(path: str) -> str | None:
 
 
 def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
-        loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None):
+        loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None,
+        resumed: tuple | None = None, critic_trunk: models.Policy | None = None):
+    """RL from the warm-started `state.policy`, or from `resumed` (`_restore`'s result for `resume_step`)."""
     rl, loss_config = config.rl, config.rl.loss
     if rl.overlap and jax.process_count() > 1:
         raise ValueError("rl.overlap runs the next step's sampling in a background thread, which is single-process "
                          f"for now; this run has {jax.process_count()} processes: set rl.overlap=false")
-    ref_policy = state.policy  # frozen warm-start policy for KL terms
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
-    state = init_train_state(state.policy, optimizer, _critic(config, state.policy) if with_critic else None,
-                             critic_optimizer)
     full_kl = loss_config.needs_full_kl
     step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
                      critic_optimizer=critic_optimizer, full_kl=full_kl)
@@ -683,12 +746,13 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         advantage_fn=advantage_fn,
                                         component_weights=tuple(component_weights.values())))
-    controls = Controls.initial(loss_config, rl.sampling.temperature)
     keep_ref = loss_config.needs_ref_logp or full_kl
     first_step = 1
-    if resume_step is not None:
-        state, controls, ref_policy, metadata = _restore(checkpointer, resume_step, state, controls,
-                                                         ref_policy if keep_ref else None)
+    if resumed is None:
+        state, controls = _rl_start(config, state.policy, critic_trunk)
+        ref_policy = state.policy  # frozen warm-start policy for KL terms
+    else:
+        state, controls, ref_policy, metadata = resumed
         ref_policy = ref_policy if keep_ref else state.policy
         first_step = resume_step + 1
     shard, shards = data_shard(generate.mesh)  # rl.prompts_per_step splits over them: check_batch_sizes
@@ -1014,7 +1078,7 @@ def _truncate_metrics(path: str, step: int) -> None:
 
 def _recorded_evaluation(path: str) -> dict[str, Any]:
     """The held-out evaluation after the warm start, as the resumed run recorded it (step 0)."""
-    for record in read_metrics(path):
+    for record in read_metrics(path, torn_tail_ok=True):  # read before _truncate_metrics: a kill may cut the tail
         if record.get("phase") == "rl" and record.get("step") == 0 and "eval/accuracy" in record:
             return {k: v for k, v in record.items() if k.startswith("eval/")}
     raise CheckpointError(f"resume=true: {path} has no evaluation after the warm start (RL step 0)")

@@ -342,7 +342,8 @@ class SentencePieceTokenizer(BaseTokenizer):
 Tokenizer = SentencePieceTokenizer  # the historical name
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Iterable[str] = ()
+                    ) -> SentencePieceTokenizer:
     """Train a BPE sentencepiece model on `texts` (deterministic; digits always split one per token).
 
     Pieces 0-3 are `<pad>`, `<unk>`, `<s>` (BOS), `</s>` (EOS). Text is not normalised, so every text made of
@@ -350,7 +351,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> SentencePieceToken
     leading spaces and characters such as `½` are kept, not rewritten (sentencepiece's default `nmt_nfkc`
     normaliser with `remove_extra_whitespaces` turns `\n`/`\t` into spaces, merges spaces and maps `½` to
     `1⁄2`, which alters prompts and leaves a policy no way to write a newline). Every character of `texts`
-    is a piece (`character_coverage=1.0`); a character absent from them encodes as `<unk>`.
+    is a piece (`character_coverage=1.0`); a character absent from them encodes as `<unk>`. `stop_tokens`
+    (pieces of the trained vocabulary) end a completion besides EOS.
     """
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -359,7 +361,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> SentencePieceToken
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
     )
-    return SentencePieceTokenizer(proto.getvalue())
+    return SentencePieceTokenizer(proto.getvalue(), stop_tokens=stop_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------

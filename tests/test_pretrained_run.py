@@ -101,13 +101,78 @@ def test_prompts_go_through_the_chat_template(pretrained_run):
     assert tokenizer.token_to_id("<|im_end|>") in tokenizer.stop_ids  # the template's end of turn stops
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["data.chat_template=true"], "need pretrained.path"),
-    (["data.system_prompt=hi"], "needs data.chat_template"),
-])
-def test_recipe_errors(overrides, match):
-    with pytest.raises(ConfigError, match=match):
-        load_config(Config, None, overrides)
+def test_recipe_errors():
+    with pytest.raises(ConfigError, match="needs data.chat_template"):
+        load_config(Config, None, ["data.system_prompt=hi"])
+
+
+@pytest.fixture(scope="module")
+def checkpoints_for_refusals(tmp_path_factory):
+    """An HF checkpoint without tokenizer files, and one whose tokenizer has no chat template."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    shutil.copytree(FIXTURE, tmp / "bare")
+    _checkpoint_with_tokenizer(tmp / "no_template")
+    config = json.loads((tmp / "no_template" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp / "no_template" / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp
+
+
+# (overrides, what the error must say); {tmp} is the fixture's directory.
+REFUSED = [
+    (["data.chat_template=true"], "tokenizer.path and data.chat_template need pretrained.path"),
+    (["tokenizer.vocab_size=16", "task.num_train=300"],
+     "tokenizer error: tokenizer.vocab_size=16: sentencepiece cannot train on the task's text"),
+    (["tokenizer.stop_tokens=[NOT_A_TOKEN]"], "tokenizer error: stop token 'NOT_A_TOKEN' is not in the tokenizer's vocabulary"),
+    (["rl.loss.preset=ppo", "rl.critic.model=separate", "rl.critic.checkpoint={tmp}/nowhere"],
+     "checkpoint error: rl.critic.checkpoint: "),
+    (["pretrained.path={tmp}/bare", "sft.steps=0"],
+     "checkpoint error: pretrained.path: {tmp}/bare: no tokenizer.json or tokenizer.model in this directory; "
+     "set tokenizer.path"),
+    (["pretrained.path={tmp}/bare", "tokenizer.path={tmp}/nowhere.model", "sft.steps=0"],
+     "checkpoint error: tokenizer.path: "),
+    (["pretrained.path={tmp}/no_template", "sft.steps=0", "data.chat_template=true"],
+     "data.chat_template: this tokenizer has no chat template"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED)
+def test_refused_before_the_output_dir_changes(checkpoints_for_refusals, tmp_path, capsys, overrides, message):
+    """Every check of a run happens before its directory changes: with overwrite=true, an old run stays whole."""
+    tmp = checkpoints_for_refusals
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    old = {name: f"old {name}".encode() for name in ("metrics.jsonl", "summary.json", "tokenizer.model",
+                                                      "config.yaml", "tensorboard/events")}
+    for name, content in old.items():
+        (out / name).write_bytes(content)
+    code = cli.main(["train", "configs/default.yaml", f"output_dir={out}", "overwrite=true", "progress=false",
+                     *(o.format(tmp=tmp) for o in overrides)])
+    err = capsys.readouterr().err
+    assert code == 2 and message.format(tmp=tmp) in err, err[-2000:]
+    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == set(old)
+    assert all((out / name).read_bytes() == content for name, content in old.items())
+
+
+def test_stop_tokens_apply_to_a_trained_tokenizer(tmp_path):
+    config = load_config(Config, "configs/default.yaml", [f"output_dir={tmp_path}", "tokenizer.stop_tokens=[',']"])
+    _, tokenizer, _ = loop._policy_and_tokenizer(config, ["1,2=3", "4,5=9"], loop.layout_from(config.mesh))
+    assert tokenizer.stop_ids == (tokenizer.eos_id, tokenizer.token_to_id(","))
+
+
+def test_eval_takes_tokenizer_path_without_pretrained_path(pretrained_run, capsys):
+    """A policy checkpoint without tokenizer files is evaluated with `tokenizer.path` alone."""
+    tmp, config, _ = pretrained_run
+    bare = tmp / "bare-policy"
+    assert cli.main(["convert", FIXTURE, str(bare)]) == 0
+    shutil.rmtree(bare / "hf_files", ignore_errors=True)
+    common = ["eval", "configs/default.yaml", f"checkpoint={bare}", "task.num_eval=8", "progress=false",
+              "eval.batch_size=8", "rl.sampling.max_new_tokens=4"]
+    assert cli.main(common) == 2
+    assert f"eval error: checkpoint: {bare} holds no tokenizer files: set tokenizer.path" in capsys.readouterr().err
+    assert cli.main([*common, f"tokenizer.path={tmp / 'qwen'}"]) == 0
+    out = capsys.readouterr().out
+    assert 0 <= json.loads(out[out.index("{"):])["eval/accuracy"] <= 1
 
 
 def test_missing_checkpoint_is_a_clean_cli_error(tmp_path, capsys):

@@ -170,10 +170,8 @@ def test_bad_resumes_name_the_problem(tmp_path):
     corrupt = _train(out, "rl.steps=8", "resume=true")
     assert corrupt.returncode == 2
     assert "cannot restore checkpoint 4" in corrupt.stderr, corrupt.stderr[-2000:]
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+    # the checkpoint is restored before the run's files change: the final evaluation record stays
+    assert (out / "metrics.jsonl").read_bytes() == records and (out / "config.yaml").read_bytes() == saved_config
 
 
 def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
@@ -186,3 +184,7 @@ def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
     timings = [json.loads(line) for line in (runs[0] / "timings.jsonl").read_text().splitlines()]
     assert {"phase", "step", "time/sample_s", "time/update_s"} <= set(timings[-2])
     assert not any(k.startswith("time/") for line in first.splitlines() for k in json.loads(line))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

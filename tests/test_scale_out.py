@@ -202,7 +202,7 @@ CHECKPOINT = """
     models.save_pretrained(saved.policy, hf_dir, progress=False)
     layout = models.Layout(make_mesh(1, 4, 2))
     loaded = load_policy(hf_dir, layout=layout)
-    assert loaded.layout == layout
+    assert loaded.layout == layout.for_model(config)
     q = loaded.params["layers"][0]["self_attn"]["q_proj"]["weight"][...]
     assert {s.data.shape for s in q.addressable_shards} == {(16, 8)}, q.sharding
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(expected["params"])):
@@ -293,6 +293,12 @@ def test_batches_that_do_not_split_over_the_data_axes_are_refused_before_any_wor
         check_batch_sizes(sampled, {"data": 2, "fsdp": 1, "tensor": 1})
     with pytest.raises(ValueError, match=r"rl.prompts_per_step \(16\) does not split over the 3 data shards"):
         check_batch_sizes(Config(), {"data": 1, "fsdp": 1, "tensor": 1}, data_shards=3)
+    # each optimizer step's (micro-)batch must split too, or every device would compute all of its rows
+    minibatched = dataclasses.replace(Config(), rl=dataclasses.replace(Config().rl, minibatches=32))
+    with pytest.raises(ValueError, match=r"rl.prompts_per_step x rl.group_size // \(rl.minibatches x "
+                                         r"rl.micro_batches\) = 4 rows do not split over the data-parallel size 8"):
+        check_batch_sizes(minibatched, {"data": 1, "fsdp": 8, "tensor": 1})
+    check_batch_sizes(minibatched, {"data": 2, "fsdp": 2, "tensor": 2})  # 4 rows over 4 devices
 
 
 def test_cli_reports_a_mesh_that_does_not_fit(tmp_path, capsys):

@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl import loop
 from jaxrl.config import Config
@@ -75,6 +76,26 @@ def test_reward_function_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tm
     assert summary["reward_timeouts_total"] > 0 and summary["reward_errors_total"] > 0
     assert sum(r["reward/timeouts"] for r in records) == summary["reward_timeouts_total"]
     assert sum(r["reward/errors"] for r in records) == summary["reward_errors_total"]
+
+
+def test_an_error_after_a_save_still_finishes_the_checkpoint(tmp_path, monkeypatch):
+    """Checkpoints are written asynchronously: an exception (a failed evaluation, Ctrl-C) must not leave the
+    save in flight to die with the interpreter."""
+    closed, real_close, real_evaluate = [], loop.Checkpointer.close, loop.evaluate
+    monkeypatch.setattr(loop.Checkpointer, "close", lambda self: (closed.append(True), real_close(self)))
+
+    def evaluate_once(*args, **kwargs):  # the evaluation after the warm start, then the final one fails
+        if closed or getattr(evaluate_once, "called", False):
+            raise RuntimeError("the final evaluation failed")
+        evaluate_once.called = True
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate_once)
+    with pytest.raises(RuntimeError, match="the final evaluation failed"):
+        loop.run(tiny_config(tmp_path, "rl.steps=1", "eval.every=0", "checkpoint.every=1", "sft.steps=0",
+                             "rl.sampling.max_new_tokens=8", "rl.minibatches=1", "rl.epochs=1", "task.num_eval=8"))
+    assert closed == [True]
+    assert loop.Checkpointer.newest(tmp_path / "checkpoints") == 1
 
 
 def test_same_seed_same_run(tmp_path):
