@@ -85,9 +85,12 @@ def load_config(directory: str | os.PathLike, *, dtype: str | None = None,
 
 
 def _tensor_index(directory: str) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint by name, from the index (sharded) or the single file."""
+    """Every tensor of the checkpoint by name, from `model.safetensors` or else the index of its shards (the
+    order of transformers' `from_pretrained`: with both, the single file)."""
     index_path = os.path.join(directory, INDEX_FILE)
     try:
+        if os.path.exists(os.path.join(directory, SINGLE_FILE)):
+            return read_header(os.path.join(directory, SINGLE_FILE))[0]
         if os.path.exists(index_path):
             try:
                 with open(index_path) as f:

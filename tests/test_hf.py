@@ -204,6 +204,18 @@ def test_sharded_save_with_base_files(tmp_path):
     assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
+def test_a_single_file_beside_an_index_is_what_loads_as_in_transformers(tmp_path):
+    source = fixture("transformers5", "qwen3")
+    policy = models.from_pretrained(source, dtype="float32", progress=False)
+    models.save_pretrained(policy, tmp_path, max_shard_bytes=40_000, progress=False)  # shards + index
+    other = tensors_of(source)  # and a single file of other weights beside them
+    other["model.norm.weight"] = other["model.norm.weight"] + 1
+    write_file(tmp_path / "model.safetensors", [TensorSpec(k, v.dtype, v.shape) for k, v in other.items()],
+               other.values())
+    loaded = models.from_pretrained(tmp_path, dtype="float32", progress=False)
+    np.testing.assert_array_equal(loaded.params["norm"]["weight"][...], other["model.norm.weight"])
+
+
 def test_bfloat16_storage_of_float32_params(tmp_path):
     policy = models.from_pretrained(fixture("transformers5", "llama3_bf16"), dtype="float32", progress=False)
     assert {x.dtype for x in jax.tree.leaves(policy.params)} == {jnp.dtype("float32")}
