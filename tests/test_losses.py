@@ -939,7 +939,31 @@ def test_adapt_temperature():
 # --------------------------------------------------------------------------- terms and composition
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_what_each_kl_estimate_pulls_toward_as_a_loss():
+    """Expected over the policy's own samples, k2's gradient is that of KL(pi || ref), k3's that of KL(ref ||
+    pi), and k1's is zero, which is why k1 is refused as a loss term."""
+    theta, ref = jnp.asarray([0.3, -1.0, 0.5, 1.2, 0.0]), jax.nn.log_softmax(jnp.asarray([0.0, 0.4, -0.2, 0.1, 0.7]))
+
+    def expected_gradient(estimate):
+        def loss(t):
+            logp = jax.nn.log_softmax(t)
+            return jnp.sum(jax.lax.stop_gradient(jnp.exp(logp)) * estimate(logp, ref))  # samples ~ pi, held fixed
+        return jax.grad(loss)(theta)
+
+    reverse = jax.grad(lambda t: jnp.sum(jax.nn.softmax(t) * (jax.nn.log_softmax(t) - ref)))(theta)
+    forward = jax.grad(lambda t: jnp.sum(jnp.exp(ref) * (ref - jax.nn.log_softmax(t))))(theta)
+    np.testing.assert_allclose(expected_gradient(kl_k2), reverse, atol=1e-6)
+    np.testing.assert_allclose(expected_gradient(kl_k3), forward, atol=1e-6)
+    np.testing.assert_allclose(expected_gradient(kl_k1), 0.0, atol=1e-6)
+    with pytest.raises(ValueError, match="k1 KL estimate as a loss term"):
+        kl_term(0.1, "k1")
+    with pytest.raises(ValueError, match="k1 KL estimate as a loss term"):
+        LossConfig(kl_coef=0.1, kl_estimator="k1").validate()
+    LossConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True).validate()  # a penalty in the reward: fine
+    kl_term(0.0, "k1")  # no weight, no pull: allowed
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
 @pytest.mark.parametrize("target", ["ref", "old"])
 def test_kl_term_sampled(estimator, target):
     d = make_batch(28)
@@ -1043,9 +1067,9 @@ def test_combine_sums_terms_and_rejects_metric_clashes():
     assert float(metrics["loss"]) == float(total)
     assert {"policy_loss", "kl_ref", "entropy", "ratio_max"} <= set(metrics)
     with pytest.raises(ValueError, match="kl_ref"):
-        combine(kl_term(0.1, "k1"), kl_term(0.1, "k3"))(inputs, norm, CONTROLS)
+        combine(kl_term(0.1, "k2"), kl_term(0.1, "k3"))(inputs, norm, CONTROLS)
     # two targets report two metrics: no clash
-    _, metrics = combine(kl_term(0.1, "k1", "ref"), kl_term(0.1, "k3", "old"))(inputs, norm, CONTROLS)
+    _, metrics = combine(kl_term(0.1, "k2", "ref"), kl_term(0.1, "k3", "old"))(inputs, norm, CONTROLS)
     assert {"kl_ref", "kl_old", "loss"} == set(metrics)
 
 

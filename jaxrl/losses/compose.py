@@ -27,7 +27,7 @@ from flax import struct
 from jaxrl.losses.aggregation import Normalizers, aggregate, masked_max, masked_min, token_mean
 from jaxrl.losses.config import LossConfig
 from jaxrl.losses.policy import OBJECTIVE_FUNCTIONS, RATIO_FUNCTIONS, clamped_ratio
-from jaxrl.losses.regularizers import kl_estimate, kl_k3, value_loss
+from jaxrl.losses.regularizers import K1_AS_LOSS, kl_estimate, kl_k3, value_loss
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
@@ -137,6 +137,8 @@ def kl_term(coef: float, estimator: str = "k3", target: str = "ref", aggregation
         raise ValueError(f"unknown KL target {target!r}; valid choices: ref, old")
     if estimator == "full" and target != "ref":
         raise ValueError("the 'full' KL estimator is computed to the reference policy only (target='ref')")
+    if estimator == "k1" and coef:
+        raise ValueError(K1_AS_LOSS)
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         if estimator == "full":

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, get_args
 from jaxrl.advantages import AdvantageConfig
 from jaxrl.losses.aggregation import Aggregation
 from jaxrl.losses.policy import Objective, Ratio
-from jaxrl.losses.regularizers import KLEstimator
+from jaxrl.losses.regularizers import K1_AS_LOSS, KLEstimator
 
 Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
                  "kl_cov"]
@@ -130,6 +130,8 @@ class LossConfig:
         if self.kl_estimator == "full" and (self.kl_in_reward or self.kl_target != "ref"):
             raise ValueError("kl_estimator 'full' is a loss term to the reference policy (kl_target: ref, "
                              "kl_in_reward: false); valid estimators otherwise: k1, k2, k3")
+        if self.kl_estimator == "k1" and self.kl_coef and not self.kl_in_reward:
+            raise ValueError(K1_AS_LOSS)
         if self.kl_in_reward and self.kl_target != "ref":
             raise ValueError("kl_in_reward folds KL(old policy || reference) into the reward; kl_target must be "
                              f"'ref', got {self.kl_target!r}")

@@ -4,10 +4,15 @@ KL estimators of `KL(pi || target)` per token from sampled tokens (Schulman 2020
 divergence"), with `d = logp - target_logp`:
 
 - `k1`: `d` (unbiased, can be negative);
-- `k2`: `d^2 / 2` (its gradient is the gradient of the reverse KL's on-policy estimate);
+- `k2`: `d^2 / 2` (biased, >= 0);
 - `k3`: `exp(-d) + d - 1` (unbiased, >= 0); `|d|` is clamped to 20 so that `exp` cannot overflow, with
   the gradient kept beyond the clamp;
 - `full`: `sum_v p(v) (log p(v) - log q(v))` over the whole vocabulary (needs both distributions).
+
+As a loss term on tokens sampled from pi, what matters is the expected gradient: `k2`'s is the gradient of
+`KL(pi || target)`, `k3`'s (GRPO's choice) that of the forward `KL(target || pi)`, `full`'s the exact
+gradient of `KL(pi || target)`, and `k1`'s is zero (`E_pi[grad log pi] = 0`): it pulls nowhere, so it is
+refused as a loss term (`K1_AS_LOSS`); in the reward (`kl_in_reward`) any of k1/k2/k3 is a fine penalty.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import jax.numpy as jnp
 from jaxrl.losses.policy import clamp_keep_gradient
 
 KLEstimator = Literal["k1", "k2", "k3", "full"]
+K1_AS_LOSS = ("the k1 KL estimate as a loss term has gradient grad log pi, zero in expectation on the policy's "
+              "own samples: it would log a KL but not pull toward the target. Use kl_estimator k2 (gradient of "
+              "KL(pi || target)), k3 (GRPO's; gradient of KL(target || pi)) or full, or fold k1 into the reward "
+              "with kl_in_reward: true")
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
