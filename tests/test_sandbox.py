@@ -348,7 +348,9 @@ def test_launcher_arguments_are_checked():
     assert argv[:5] == ["python", "-I", "-S", "-B", sandbox._LAUNCHER] and argv[-1] == "--"
     spec, program = sandbox_child.parse_args(argv[5:] + ["prog", "arg"])
     assert program == ["prog", "arg"]
-    assert spec["tmpdir"] == "/tmp/x=y" and spec["namespaces"] == "mnt,pid,net"
+    assert spec["tmpdir"] == "/tmp/x=y" and spec["namespaces"] == "mnt,pid,ipc,net"
+    assert spec["no_fork"] == "0" and sandbox_child.parse_args(
+        sandbox._launcher_argv("python", FAST, "/tmp", 5, no_fork=True)[5:] + ["prog"])[0]["no_fork"] == "1"
     assert float(spec["wall_time_s"]) == FAST.wall_time_s
     with pytest.raises(ValueError, match="missing settings"):
         sandbox_child.parse_args(argv[6:] + ["prog"])  # no wall_time_s
@@ -449,6 +451,254 @@ def test_assert_text_is_not_visible_to_the_program():
         "          if os.path.isfile(n) and TOKEN in open(n, errors='replace').read()]\n"
     )
     result = run_tests(code, [{"assert": "assert not LEAKED and f(31337) == 31337 ** 2, LEAKED"}], FAST)
+    assert result.pass_fraction == 1.0, result
+
+
+# -- assert tests cannot learn the answer by forking ----------------------------------
+
+# Knows nothing about the answer: forks one child per guess; each child returns its guess and runs
+# into the hidden statement; the parent exits 0 once a child passed (that child wrote the nonce).
+FORK_ORACLE = (
+    "import os\n"
+    "def _try():\n"
+    "    for guess in range(-3, 30):\n"
+    "        pid = os.fork()\n"
+    "        if pid == 0:\n"
+    "            return guess\n"
+    "        _, st = os.waitpid(pid, 0)\n"
+    "        if os.waitstatus_to_exitcode(st) == 0:\n"
+    "            os._exit(0)\n"
+    "    os._exit(1)\n"
+    "_answer = _try()\n"
+    "def add(*a):\n    return _answer\n"
+)
+# The same, forking inside the function, i.e. while the statement runs.
+FORK_ORACLE_IN_CALL = (
+    "import os\n"
+    "def add(*a):\n"
+    "    for guess in range(-3, 30):\n"
+    "        pid = os.fork()\n"
+    "        if pid == 0:\n"
+    "            return guess\n"
+    "        _, st = os.waitpid(pid, 0)\n"
+    "        if os.waitstatus_to_exitcode(st) == 0:\n"
+    "            os._exit(0)\n"
+    "    os._exit(1)\n"
+)
+ADD_TESTS = [{"assert": "assert add(2, 3) == 5"}, {"assert": "assert add(10, 13) == 23"}]
+
+
+def test_assert_tests_cannot_fork_an_oracle():
+    for code in (FORK_ORACLE, FORK_ORACLE_IN_CALL):
+        result = run_tests(code, ADD_TESTS, FAST)
+        assert result.pass_fraction == 0.0, result
+    # The program of an assert test gets EPERM from fork and subprocess; threads still work.
+    code = "import errno, os, subprocess, threading\ndef f(x):\n    return x * x\n"
+    tests = [
+        {"assert": "try:\n    os.fork()\nexcept OSError as e:\n    assert e.errno == errno.EPERM\n"
+                   "else:\n    os._exit(0)  # early_exit in parent and child"},
+        {"assert": "try:\n    subprocess.run(['true'])\nexcept OSError as e:\n"
+                   "    assert e.errno == errno.EPERM\nelse:\n    raise AssertionError('subprocess ran')"},
+        {"assert": "out = []\n"
+                   "ts = [threading.Thread(target=lambda i=i: out.append(f(i))) for i in range(4)]\n"
+                   "[t.start() for t in ts]\n[t.join() for t in ts]\nassert sorted(out) == [0, 1, 4, 9]"},
+    ]
+    result = run_tests(code, tests, FAST)
+    assert [c.status for c in result.cases] == ["ok"] * 3, result
+    # IO tests may still fork: the parent judges the whole run's stdout.
+    forking = (
+        "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n"
+    )
+    assert run_program(forking, "", FAST)[:2] == ("ok", "forked\n")
+
+
+def test_forked_child_cannot_write_the_nonce_without_seccomp(monkeypatch):
+    # Where the seccomp filter is unavailable, the harness still refuses the nonce to a forked child.
+    launcher_argv = sandbox._launcher_argv
+    monkeypatch.setattr(sandbox, "_launcher_argv", lambda *a, no_fork=False: launcher_argv(*a))
+    forks = {"assert": "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)"}
+    assert run_tests("import os\n", [forks], FAST).pass_fraction == 1.0  # the filter is off
+    for code in (FORK_ORACLE, FORK_ORACLE_IN_CALL):
+        result = run_tests(code, ADD_TESTS[:1], FAST)
+        assert result.pass_fraction == 0.0, result
+
+
+# fork through the i386 ABI (``int 0x80``, nr 2), which a filter on x86_64 syscall numbers alone would miss
+# (the test adds x32: nr 57 | 0x40000000). Prints "forked" in a successful fork's parent.
+I386_FORK = (
+    "import ctypes, mmap, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "buf.write(bytes([0xB8, 2, 0, 0, 0, 0xCD, 0x80, 0xC3]))  # mov eax, 2; int 0x80; ret\n"
+    "pid = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))()\n"
+    "if pid == 0:\n    os._exit(0)\n"
+    "print('forked' if pid > 0 else 'refused', flush=True)\n"
+    "assert pid < 0\n"
+)
+
+
+def test_no_fork_filter_covers_other_abis():
+    if os.uname().machine != "x86_64":
+        pytest.skip("the i386 ABI exists on x86_64 only")
+    status, out, _ = run_program(I386_FORK, "", FAST)  # IO runs may fork: does int 0x80 work here?
+    if out != "forked\n":
+        pytest.skip(f"no i386 syscalls or no executable mmap here ({status}, {out!r})")
+    x32_fork = "assert libc.syscall(0x40000000 | 57) == -1 and ctypes.get_errno() == 1  # EPERM"
+    result = run_tests(I386_FORK, [{"assert": "pass"}, {"assert": x32_fork}], FAST)
+    assert [c.status for c in result.cases] == ["ok", "ok"], result  # the filter refused both forks
+
+
+def test_no_fork_filter_arches():
+    from jaxrl.rewards import sandbox_child
+
+    for machine, nr_clone in (("x86_64", 56), ("aarch64", 220)):
+        prog = sandbox_child.no_fork_filter(machine)
+        assert prog and prog[0] == (0x20, 0, 0, 4) and prog[-3][0] == 0x06  # load arch ... returns
+        assert any(k == nr_clone for _, _, _, k in prog) and all(0 <= jt < 256 > jf for _, jt, jf, _ in prog)
+    assert sandbox_child.no_fork_filter("riscv64") is None  # unknown: only the harness's pid check
+
+
+# -- namespaces: IPC, and no way back to the host for a non-root caller ------------------
+
+
+def _sysv_keys(kind: str) -> set[int]:
+    """Keys of the System V IPC objects of ``kind`` ("shm", "msg", "sem") in this IPC namespace."""
+    try:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            return {int(line.split()[0]) for line in f.readlines()[1:]}
+    except OSError:
+        return set()
+
+
+def test_sysv_ipc_objects_do_not_outlive_the_run():
+    key = 0x4A58_0000 + os.getpid() % 0x10000
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"shm = libc.shmget({key}, ctypes.c_size_t(1 << 20), 0o1000 | 0o600)\n"
+        f"msg = libc.msgget({key}, 0o1000 | 0o600)\n"
+        f"sem = libc.semget({key}, 1, 0o1000 | 0o600)\n"
+        "print(shm >= 0, msg >= 0, sem >= 0)\n"
+    )
+    try:
+        status, out, err = run_program(code, "", FAST)
+        assert (status, out) == ("ok", "True True True\n"), err
+        left = [kind for kind in ("shm", "msg", "sem") if key in _sysv_keys(kind)]
+        assert not left, f"the program's System V {left} outlived the run"
+    finally:
+        for kind, flag in (("shm", "-M"), ("msg", "-Q"), ("sem", "-S")):
+            if key in _sysv_keys(kind):
+                subprocess.run(["ipcrm", flag, str(key)], check=False, capture_output=True)
+
+
+def _interpreter_for(uid: int) -> str | None:
+    """A Python >= 3.8 that ``uid`` can run (the base interpreter may be under /root), or None."""
+    from jaxrl.rewards.sandbox_child import hidden_ancestor
+
+    for py in (sandbox._base_interpreter(), "/usr/bin/python3", "/bin/python3"):
+        if os.path.exists(py) and hidden_ancestor(os.path.realpath(py)) is None:
+            probe = subprocess.run(
+                ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", py, "-S", "-c",
+                 "import sys; assert sys.version_info >= (3, 8)"], capture_output=True, check=False)
+            if probe.returncode == 0:
+                return py
+    return None
+
+
+UNMOUNT_ESCAPE = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "print('uid', os.getuid())\n"
+    "for d in (b'/tmp', b'/proc'):\n"
+    "    print('umount', d.decode(), libc.umount2(d, 2))  # MNT_DETACH\n"
+    "try:\n    open('/proc/1/environ', 'rb').read()\n    print('read /proc/1/environ')\n"
+    "except OSError:\n    print('denied /proc/1/environ')\n"
+    "print('host /tmp visible', os.path.exists(sys.argv[1]))\n"
+)
+
+
+def test_non_root_program_cannot_unmount_its_confinement():
+    """As non-root the program was root in the user namespace owning its mounts: ``umount2("/tmp")`` and
+    ``/proc`` gave it the host's /tmp and processes. Now it is uid 65534 in a nested user namespace."""
+    marker = tempfile.NamedTemporaryFile(prefix="jaxrl_host_tmp_marker_")  # in the host /tmp
+    if os.geteuid() != 0:  # the suite itself runs as non-root: the real thing
+        status, out, err = run_program(UNMOUNT_ESCAPE.replace("sys.argv[1]", repr(marker.name)), "", FAST)
+        assert status == "ok", err
+    else:  # run the launcher as another uid (setpriv execs it, so its parent is still this process)
+        uid = 43_210
+        if shutil.which("setpriv") is None or (py := _interpreter_for(uid)) is None:
+            pytest.skip(f"needs setpriv and a Python that uid {uid} may run, to run the sandbox as non-root")
+        tmpdir = tempfile.mkdtemp(prefix=f"jaxrl_sandbox_{os.getpid()}_")
+        os.chown(tmpdir, uid, uid)
+        report_r, report_w = os.pipe()
+        try:
+            argv = sandbox._launcher_argv(py, FAST, tmpdir, report_w)
+            proc = subprocess.run(
+                ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv,
+                 py, "-S", "-c", UNMOUNT_ESCAPE, marker.name],
+                cwd=tmpdir, env={"PATH": "/usr/bin:/bin", "HOME": tmpdir}, pass_fds=[report_w],
+                capture_output=True, text=True, timeout=30, check=False,
+            )
+            os.close(report_w)
+            report_w = None
+            error, namespaces = sandbox._read_report(report_r)
+        finally:
+            for fd in (report_r, report_w):
+                if fd is not None:
+                    os.close(fd)
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        if error is None and "mnt" not in namespaces:
+            pytest.skip(f"no unprivileged user namespaces here (uid {uid} got only {namespaces})")
+        assert error is None and proc.returncode == 0, (error, proc.stderr)
+        out = proc.stdout
+    assert out.splitlines() == [
+        "uid 65534", "umount /tmp -1", "umount /proc -1", "denied /proc/1/environ", "host /tmp visible False",
+    ], out
+
+
+# -- what correct programs need --------------------------------------------------------
+
+
+def test_exit_and_quit_work_and_programs_run_as_scripts():
+    # -S (no site) left exit()/quit() undefined: `print(ans); exit()` was a NameError and scored 0.
+    code = (
+        "n = int(input())\nif n < 0:\n    print('NO')\n    exit()\n"
+        "print('YES')\nquit()\nprint('unreachable')\n"
+    )
+    result = run_tests(code, [{"input": "-1\n", "output": "NO\n"}, {"input": "5\n", "output": "YES\n"}], FAST)
+    assert result.pass_fraction == 1.0, result
+    assert run_program("print(1)\nexit(3)\n", "", FAST)[:2] == ("runtime_error", "1\n")
+    exits = run_tests("def f(x):\n    return x\n", [{"assert": "assert f(1) == 1\nexit()"}], FAST)
+    assert exits.pass_fraction == 0.0  # SystemExit: the statement did not complete
+    script = (
+        "import os, pickle, sys\n"
+        "class P:\n    pass\n"
+        "print(__name__, os.path.isabs(__file__) and __file__.endswith('/prog.py'), sys.argv,\n"
+        "      type(pickle.loads(pickle.dumps(P()))).__name__, sys.modules['__main__'].P is P)\n"
+    )
+    assert run_program(script, "", FAST)[:2] == ("ok", "__main__ True ['prog.py'] P True\n")
+
+
+def test_output_cap_fits_the_expected_output():
+    # 109 KB of expected output, over the default 64 KiB cap: a correct program hit "output_limit".
+    n = 20_000
+    expected = "\n".join(map(str, range(n))) + "\n"
+    code = "n = int(input())\nprint('\\n'.join(map(str, range(n))))\n"
+    result = run_tests(code, [{"input": f"{n}\n", "output": expected}], SandboxLimits(wall_time_s=5.0))
+    assert [c.status for c in result.cases] == ["ok"], result
+    flood = "while True:\n    print('x' * 1000)\n"  # still capped: at 2 x expected + 4 KiB
+    result = run_tests(flood, [{"input": "", "output": expected}], SandboxLimits(wall_time_s=5.0))
+    assert [c.status for c in result.cases] == ["output_limit"], result
+
+
+def test_hash_seed_is_fixed():
+    # -I implied -E, so every run drew a random PYTHONHASHSEED: printing a set scored at random.
+    env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}
+    expected = subprocess.run([sandbox._base_interpreter(), "-S", "-c", "print(hash('jaxrl'))"],
+                              env=env, capture_output=True, text=True, check=True).stdout
+    for _ in range(2):
+        assert run_program("print(hash('jaxrl'))\n", "", FAST)[:2] == ("ok", expected)
+    result = run_tests("x = 1\n", [{"assert": f"assert hash('jaxrl') == {expected.strip()}"}], FAST)
     assert result.pass_fraction == 1.0, result
 
 

@@ -181,6 +181,16 @@ def test_compose_non_finite(bad):
         compose({"a": np.zeros(3)}, {"a": bad})
 
 
+def test_compose_float32_overflow():
+    # Finite as float64, but the total is float32: a weight of 1e39 is inf there, and 2 x 3e38 overflows.
+    with pytest.raises(ValueError, match=r"weight for 'a' is not finite in float32"):
+        compose({"a": np.ones(3)}, {"a": 1e39})
+    with pytest.raises(ValueError, match=r"overflows float32 at indices \[1\]"):
+        compose({"a": np.array([0.0, 3e38, 1.0]), "b": np.ones(3)}, {"a": 2.0, "b": 1.0})
+    out = compose({"a": np.array([3e38, -3e38])}, {"a": 1.0})  # large but finite is fine
+    assert np.all(np.isfinite(out.total))
+
+
 def test_compose_empty():
     with pytest.raises(ValueError, match="at least one"):
         compose({}, {})

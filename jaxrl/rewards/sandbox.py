@@ -14,15 +14,23 @@ from a completion, runs it against the tests in ``reference`` (JSON
   parent requires it (see ``_ASSERT_HARNESS``: ``sys.exit`` and ``SystemExit``
   fail the case, ``os._exit(0)`` or ``exec`` of another program before the
   statement ran is ``"early_exit"``). The statement is never written to a file
-  the program can read.
+  the program can read. The program of an assert test cannot create processes
+  (threads are fine): a seccomp filter makes ``fork``, ``subprocess`` and
+  ``multiprocessing`` fail with EPERM. Otherwise it could fork one child per
+  guessed answer, each running into the statement, and exit 0 once one passed.
+  (IO tests keep ``fork``: the parent judges the stdout of the whole run, so
+  there is nothing for a child to pass on its own.)
 
 Each test case is one fresh process:
 
 * cwd is a fresh temporary directory (deleted afterwards, even on failure)
   holding ``prog.py``; stdin comes from a file, so no pipe deadlock;
-* the interpreter is the base Python (not a virtualenv link) with ``-I -S -B`` (isolated mode, no site:
-  stdlib only) with the environment scrubbed to
-  ``{"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": <tmpdir>}``;
+* the interpreter is the base Python (not a virtualenv link) with ``-s -S -B -P`` (no site: stdlib
+  only; no user site, ``.pyc`` files or ``sys.path[0]``) with the environment scrubbed to
+  ``{"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": <tmpdir>}`` (a fixed
+  hash seed, so that printing a set gives the same line in every run); a small bootstrap
+  (``_IO_BOOTSTRAP``, or the assert harness) defines ``exit()``/``quit()`` as ``site`` would and runs
+  ``prog.py`` as ``__main__``;
 * ``start_new_session=True``; the whole process group is SIGKILLed when the
   run ends (normally, on wall timeout, or on too much output, or when an
   exception such as ``RewardPool``'s SIGTERM unwinds the caller);
@@ -40,11 +48,14 @@ Each test case is one fresh process:
   including a multi-threaded one holding JAX and gigabytes of arrays: the
   cost of a run does not grow with the caller's memory;
 * stdout/stderr are read with ``select`` and at most ``max_output_bytes`` each
-  is kept; going over the cap kills the program (status ``"output_limit"``).
+  is kept (for an IO test at least 2 x its expected output + 4 KiB); going over
+  the cap kills the program (status ``"output_limit"``).
 
 Namespaces (Linux, entered with ``unshare(2)`` via ctypes; as non-root a user
 namespace mapping the caller to root is created first so the others become
-permitted):
+permitted, and after the mounts a nested one where the program is uid 65534
+without capabilities, so it cannot unmount what hides the host, see
+``sandbox_child``):
 
 * network: a fresh netns has only a down loopback, so every ``connect`` fails
   (``CodeResult.network_isolated`` / ``run_program``'s status reflects whether
@@ -59,21 +70,32 @@ permitted):
   invisible. Writes to those dirs vanish with the namespace;
 * PID: the program runs under a tiny init process; when the run ends the
   namespace is torn down, so even children that ``setsid()`` away from the
-  process group die.
+  process group die;
+* IPC: System V shared memory, message queues and semaphores (and POSIX
+  message queues) the program creates vanish with the namespace instead of
+  outliving the run (memory is freed asynchronously, within a fraction of a second).
 
 Known gaps (honest list):
 
 * Without namespaces (e.g. an unprivileged container without user namespaces)
   the program gets the host network, can leave files in world-writable dirs
-  such as ``/tmp`` (as "nobody", or as the caller when not root), and a child
+  such as ``/tmp`` (as "nobody", or as the caller when not root), can leave
+  System V IPC objects (shared memory that holds RAM until removed), and a child
   that calls ``setsid()`` escapes the process-group kill. When the caller is
   not root there is also no privilege drop: the program runs as the caller's
   uid and, without a PID namespace, could read ``/proc/<pid>/environ`` of the
   caller's other processes. RLIMIT_NPROC then counts all of the caller's
   processes.
+* When the caller is not root, even with namespaces the program's kernel uid is
+  the caller's (it only looks like 65534): outside the private tmpfs dirs it
+  can read *and write* whatever the caller can, e.g. the caller's home and a
+  checkout the caller owns. Run as root (the program is then "nobody") or as a
+  dedicated user where that matters. Should the nested user namespace that
+  takes away its root be refused while the mount namespace was made, the run
+  ends in ``"sandbox_error"`` rather than run the program as that root.
 * Memory is limited per process (RLIMIT_AS; Linux has no per-user or per-group
   rlimit for it, only cgroups, which an unprivileged caller rarely may create), so
-  a program that forks can hold up to ``memory_mb`` x ``max_processes`` (16 GiB
+  a program that forks (in an IO test) can hold up to ``memory_mb`` x ``max_processes`` (16 GiB
   with the defaults). Lower ``max_processes`` where that matters; RLIMIT_NPROC
   counts the processes of the uid the program runs as (every concurrent run's as
   "nobody").
@@ -87,8 +109,15 @@ Known gaps (honest list):
 * As "nobody" the program can still *read* world-readable files (e.g. the
   repository source, ``/etc/passwd``) and use CPU/memory up to the limits.
 * All concurrent sandboxes share uid 65534, so RLIMIT_NPROC is shared: a fork
-  bomb in one run can make a concurrent run fail to start (it scores 0).
-* There is no seccomp filter; the kernel's syscall surface is fully exposed.
+  bomb in one (IO) run can make a concurrent run fail to start (it scores 0).
+* The only seccomp filter is the one against new processes in assert tests;
+  otherwise the kernel's syscall surface is fully exposed. That filter exists
+  for x86_64 and aarch64 only, and needs ``PR_SET_NO_NEW_PRIVS`` and seccomp
+  filters (Linux >= 3.5). Elsewhere (or where ``prctl`` fails) a forked child
+  still cannot write the nonce (the harness checks its pid) and exits as
+  silently when its statement held as when it failed, but a program that
+  instruments the interpreter (audit hooks, ``gc`` callbacks, ``ctypes``) might
+  still tell the two apart in a child and so learn the answer by trial.
 * The parent-death signal fires when the calling *thread* exits, so do not
   call this from a thread that may end before the run does.
 * The assert harness shares its process with the program, so a program that
@@ -135,6 +164,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PROGRAM = "prog.py"
+# The program's whole environment (plus HOME, its sandbox dir). A fixed hash seed: a program that prints
+# a set must print the same line in every run, or its score would be a coin toss.
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 _DIR_PREFIX = "jaxrl_sandbox_"  # + creator pid + "_" + random: see _remove_orphaned_dirs
 # Time code_reward keeps back from RewardPool's deadline to stop its last run, clean up and reply.
@@ -150,7 +182,9 @@ class SandboxLimits:
     memory_mb: int = 512  # RLIMIT_AS, per process (see the known gaps)
     file_size_mb: int = 4  # RLIMIT_FSIZE
     max_processes: int = 32  # RLIMIT_NPROC (only effective for a non-root uid)
-    max_output_bytes: int = 65536  # per stream; more is discarded and kills the run
+    # Per stream; more is discarded and kills the run. An IO test allows at least 2 x its expected
+    # output + 4 KiB, so that a correct program never hits the cap.
+    max_output_bytes: int = 65536
     isolate_network: bool = True  # fresh network namespace when the OS permits
 
 
@@ -195,7 +229,32 @@ def extract_code(completion: str) -> str | None:
 
 # -- the assert harness ------------------------------------------------------
 
-# ``python -I -S -B -c _ASSERT_HARNESS CASE_FD MARKER_FD`` in the sandbox dir. CASE_FD is an unlinked
+# What ``site`` would have added that programs use: ``exit()`` and ``quit()`` (the program runs with
+# ``-S``, and ``print(ans); exit()`` must not be a NameError). Prefixed to both scripts below.
+_QUIT_BUILTINS = r"""
+import _sitebuiltins, builtins, sys
+
+builtins.exit = _sitebuiltins.Quitter("exit", "Ctrl-D (i.e. EOF)")
+builtins.quit = _sitebuiltins.Quitter("quit", "Ctrl-D (i.e. EOF)")
+"""
+
+# ``python _PYTHON_FLAGS -c _IO_BOOTSTRAP /abs/path/prog.py``: runs the program as the script would run
+# (``__main__``, absolute ``__file__``, ``sys.argv == ["prog.py"]``), with ``exit``/``quit`` defined.
+_IO_BOOTSTRAP = _QUIT_BUILTINS + r"""
+
+def run_script(path):
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = type(sys)("__main__")
+    main.__file__, main.__builtins__ = path, builtins
+    sys.modules["__main__"], sys.argv = main, ["prog.py"]
+    exec(code, main.__dict__)
+
+
+run_script(sys.argv[1])
+"""
+
+# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD MARKER_FD`` in the sandbox dir. CASE_FD is an unlinked
 # file holding "<nonce>\n<assert statement>"; the harness reads and closes it before the program runs,
 # so neither is on disk, in argv or in the environment. The program runs as the script ``prog.py``
 # (``__main__``, absolute ``__file__``, ``sys.argv == ["prog.py"]``), then the statement runs in its
@@ -204,16 +263,22 @@ def extract_code(completion: str) -> str | None:
 # An exception, ``SystemExit`` included, exits with status 1 (skipping ``atexit`` handlers); ending
 # the process some other way (``os._exit``, ``exec``, a signal) leaves the marker unwritten. Writing
 # junk to MARKER_FD only spoils the marker. Everything used after the program runs is bound first,
-# so patching ``builtins``, ``sys`` or ``os`` cannot redirect it. Residual risk: the nonce is in this
-# process's memory (a local of ``run_case``), so a program that deliberately digs it out (its
-# caller's frame, ``gc``, ``ctypes``) can forge a pass; see the module docstring.
-_ASSERT_HARNESS = r"""
-import os, sys
+# so patching ``builtins``, ``sys`` or ``os`` cannot redirect it. Only the process that started the
+# harness writes the nonce: a child the program forked (one per guessed answer, each running into the
+# statement, the parent exiting 0 once one wrote the nonce) exits with status 1 whether or not its
+# statement held, without a traceback. The launcher's seccomp filter normally stops such forks
+# outright (``sandbox_child.no_fork_filter``); this check is what is left where it cannot be installed.
+# Residual risk: the nonce is in this process's memory (a local of ``run_case``), so a program that
+# deliberately digs it out (its caller's frame, ``gc``, ``ctypes``) can forge a pass; see the module
+# docstring.
+_ASSERT_HARNESS = _QUIT_BUILTINS + r"""
+import os
 
 
 def run_case(case_fd, marker_fd):
-    write, exit_now, run, report = os.write, os._exit, exec, sys.__excepthook__
+    write, exit_now, run, report, getpid = os.write, os._exit, exec, sys.__excepthook__, os.getpid
     settrace, setprofile = sys.settrace, sys.setprofile
+    harness_pid = getpid()
     with os.fdopen(case_fd, "rb") as f:
         nonce, _, test = f.read().partition(b"\n")
     try:
@@ -229,10 +294,14 @@ def run_case(case_fd, marker_fd):
         setprofile(None)
         run(check, main.__dict__)
     except BaseException as e:  # SystemExit too: only completing the statement passes
+        if getpid() != harness_pid:  # a forked child: ends just as when its statement held
+            exit_now(1)
         try:
             report(type(e), e, e.__traceback__)
         except BaseException:
             pass
+        exit_now(1)
+    if getpid() != harness_pid:  # a forked child may not pass for the program
         exit_now(1)
     write(marker_fd, nonce)
     exit_now(0)
@@ -258,10 +327,18 @@ def _base_interpreter() -> str:
 
 def _namespaces_to_enter(limits: SandboxLimits) -> list[str]:
     """The namespaces the launcher asks for; those the OS refuses are done without (see the docstring)."""
-    return ["mnt", "pid", "net"] if limits.isolate_network else ["mnt", "pid"]
+    return ["mnt", "pid", "ipc", "net"] if limits.isolate_network else ["mnt", "pid", "ipc"]
 
 
-def _launcher_argv(interpreter: str, limits: SandboxLimits, tmpdir: str, report_fd: int) -> list[str]:
+# The program's (and harness's) interpreter flags: no site (stdlib only), no user site, no .pyc files,
+# no unsafe sys.path[0]. Not -I/-E: they would ignore PYTHONHASHSEED (see _ENV), and the environment
+# is scrubbed anyway.
+_PYTHON_FLAGS = ("-s", "-S", "-B", "-P")
+
+
+def _launcher_argv(
+    interpreter: str, limits: SandboxLimits, tmpdir: str, report_fd: int, no_fork: bool = False
+) -> list[str]:
     """``sandbox_child.py``'s command line, up to and including ``--`` (the program's argv follows)."""
     spec = {
         "wall_time_s": limits.wall_time_s,
@@ -270,6 +347,7 @@ def _launcher_argv(interpreter: str, limits: SandboxLimits, tmpdir: str, report_
         "file_size_mb": limits.file_size_mb,
         "max_processes": limits.max_processes,
         "namespaces": ",".join(_namespaces_to_enter(limits)),
+        "no_fork": int(no_fork),
         "tmpdir": tmpdir,
         "report_fd": report_fd,
         "parent_pid": os.getpid(),
@@ -414,7 +492,8 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
                 os.chown(path, NOBODY, NOBODY)
         report_r, report_w = os.pipe()
         interpreter = _base_interpreter()
-        program, pass_fds = [interpreter, "-I", "-S", "-B", _PROGRAM], [report_w]
+        program = [interpreter, *_PYTHON_FLAGS, "-c", _IO_BOOTSTRAP, os.path.join(tmpdir, _PROGRAM)]
+        pass_fds = [report_w]
         if assert_test is not None:
             nonce = secrets.token_hex(16).encode()
             case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
@@ -422,12 +501,13 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
             case_file.flush()
             case_file.seek(0)
             marker_r, marker_w = os.pipe()
-            program[-1:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
+            program[-3:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
             pass_fds += [case_file.fileno(), marker_w]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir}
+        env = {**_ENV, "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
             proc = subprocess.Popen(  # no preexec_fn: the launcher confines itself, then execs
-                _launcher_argv(interpreter, limits, tmpdir, report_w) + program,
+                _launcher_argv(interpreter, limits, tmpdir, report_w, no_fork=assert_test is not None)
+                + program,
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -555,6 +635,11 @@ def run_tests(
             r = _run(code, "", run_limits, assert_test=test["assert"])
             passed, status = r.status == "ok", r.status
         else:
+            # A correct program must never hit the output cap: allow twice the expected output and then some.
+            expected_bytes = len(test["output"].encode("utf-8", "replace"))
+            cap = max(run_limits.max_output_bytes, 2 * expected_bytes + 4096)
+            if cap != run_limits.max_output_bytes:
+                run_limits = dataclasses.replace(run_limits, max_output_bytes=cap)
             r = _run(code, test["input"], run_limits)
             passed = r.status == "ok" and _normalise(r.stdout) == _normalise(test["output"])
             status = "wrong_answer" if r.status == "ok" and not passed else r.status

@@ -13,10 +13,20 @@ launcher with ``vfork``, and all the set-up below runs in a small single-threade
 The settings (``spec``) are ``KEY=VALUE`` arguments (plain text, as ``json`` would add ~6 ms of
 imports to every run): ``wall_time_s``, ``cpu_time_s``, ``memory_mb``, ``file_size_mb`` and
 ``max_processes`` (the ``SandboxLimits`` fields), ``namespaces`` (the ones wanted, comma-separated,
-of ``mnt``, ``pid``, ``net``; may be empty), ``tmpdir``, ``report_fd`` and ``parent_pid`` (the
-caller). The launcher writes one line to ``report_fd``: ``ok <namespaces entered>`` just before it execs the
-program, or ``error <message>`` if the set-up or the exec failed (then it exits with status 125).
+of ``mnt``, ``pid``, ``ipc``, ``net``; may be empty), ``no_fork`` (``1``: install the seccomp filter of
+``no_fork_filter``, so the program cannot create processes, only threads; used for assert tests),
+``tmpdir``, ``report_fd`` and ``parent_pid`` (the caller). The launcher writes one line to ``report_fd``:
+``ok <namespaces entered> [nofork]`` just before it execs the program (``nofork`` iff the filter is in
+place), or ``error <message>`` if the set-up or the exec failed (then it exits with status 125).
 No line at all means it died before getting that far.
+
+As non-root, the first user namespace maps the caller to root, which makes the other namespaces and
+the mounts possible; root there could also undo the mounts (``umount2("/tmp", MNT_DETACH)`` revealed
+the host's ``/tmp`` and ``/proc``). So after the mounts the launcher enters a second user namespace,
+with a new mount namespace, in which it is uid/gid 65534: the mounts it inherits are locked
+(``MNT_LOCKED``: they can only go all together), and the program it execs holds no capability. The
+processes that stay outside it (the launcher and the PID namespace's init) are made non-dumpable, so
+the program, although the same kernel uid, cannot ``ptrace`` them or open their ``/proc/<pid>/mem``.
 
 Standard library only: it runs with ``-I -S`` and cannot import jaxrl.
 """
@@ -24,6 +34,7 @@ Standard library only: it runs with ``-I -S`` and cannot import jaxrl.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import resource
@@ -40,14 +51,30 @@ _WORK_DIR_FILES, _WORK_DIR_MIN_MB = 4, 16
 
 # <sched.h> / <sys/mount.h> / <sys/prctl.h>
 _CLONE_NEWNS = 0x00020000
+_CLONE_THREAD = 0x00010000
+_CLONE_NEWIPC = 0x08000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
-_NAMESPACE_FLAGS = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID, "net": _CLONE_NEWNET}
+_NAMESPACE_FLAGS = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID, "ipc": _CLONE_NEWIPC, "net": _CLONE_NEWNET}
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+_PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 22, 38
 _LIMITS = ("wall_time_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_processes")
+
+# seccomp (<linux/seccomp.h>, <linux/filter.h>, <linux/audit.h>). Per machine: the AUDIT_ARCH value
+# in seccomp_data.arch, the syscalls refused outright (nr -> errno), clone's nr, and the first nr of a
+# foreign ABI sharing the arch value (x32 on x86_64), or None. clone3 gets ENOSYS, so that glibc falls
+# back to clone for threads; its flags are in a struct in memory, which a filter cannot read.
+_SECCOMP_MODE_FILTER = 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+_SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, {57: errno.EPERM, 58: errno.EPERM, 435: errno.ENOSYS}, 56, 0x40000000),
+    "aarch64": (0xC00000B7, {435: errno.ENOSYS}, 220, None),
+}
+# BPF opcodes: BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_{JEQ,JGE,JSET}|BPF_K, BPF_RET|BPF_K
+_BPF = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "jset": 0x45, "ret": 0x06}
 
 _libc = None
 
@@ -106,6 +133,57 @@ def _die_with_parent() -> None:
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
 
 
+def no_fork_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
+    """A seccomp filter (``(code, jt, jf, k)`` BPF instructions) under which a process cannot create
+    another: ``fork``, ``vfork`` and ``clone`` without ``CLONE_THREAD`` fail with EPERM, ``clone3``
+    with ENOSYS (glibc then uses ``clone``, so ``threading`` still works); a syscall of any other ABI
+    (``int 0x80`` on x86_64, x32) fails with EPERM. None for a machine not in ``_SECCOMP_ARCHES``.
+    """
+    if machine not in _SECCOMP_ARCHES:
+        return None
+    audit_arch, refused, clone_nr, foreign_from = _SECCOMP_ARCHES[machine]
+    eperm = f"errno{errno.EPERM}"
+    flags_offset = 16 if sys.byteorder == "little" else 20  # low half of seccomp_data.args[0]
+    prog = [("ld", 4, None, None), ("jeq", audit_arch, None, eperm), ("ld", 0, None, None)]
+    if foreign_from is not None:
+        prog.append(("jge", foreign_from, eperm, None))
+    prog += [("jeq", nr, f"errno{err}", None) for nr, err in refused.items()]
+    prog += [("jeq", clone_nr, None, "allow"), ("ld", flags_offset, None, None),
+             ("jset", _CLONE_THREAD, "allow", eperm)]
+    returns = {"allow": _SECCOMP_RET_ALLOW}
+    for e in sorted({errno.EPERM, *refused.values()}):
+        returns[f"errno{e}"] = _SECCOMP_RET_ERRNO | e
+    where = {label: len(prog) + i for i, label in enumerate(returns)}
+    out = []
+    for pc, (op, k, jt, jf) in enumerate(prog):
+        hop = lambda label: 0 if label is None else where[label] - pc - 1  # noqa: E731
+        out.append((_BPF[op], hop(jt), hop(jf), k))
+    return out + [(_BPF["ret"], 0, 0, k) for k in returns.values()]
+
+
+def _forbid_new_processes() -> bool:
+    """Install ``no_fork_filter`` for this machine (inherited through exec); whether it is in place."""
+    libc = _load_libc()
+    prog = no_fork_filter(os.uname().machine)
+    if libc is None or prog is None:
+        return False
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    insns = (SockFilter * len(prog))(*(SockFilter(*insn) for insn in prog))
+    fprog = SockFprog(len(prog), insns)
+    one, zero = ctypes.c_ulong(1), ctypes.c_ulong(0)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, one, zero, zero, zero) != 0:
+        return False
+    mode = ctypes.c_ulong(_SECCOMP_MODE_FILTER)
+    return libc.prctl(_PR_SET_SECCOMP, mode, ctypes.byref(fprog), zero, zero) == 0
+
+
 def _at_eof(fd: int) -> bool:
     """Whether reading the pipe ``fd`` gives EOF now (every write end is closed)."""
     os.set_blocking(fd, False)
@@ -120,8 +198,14 @@ def _wait_and_mirror(pid: int, reap_all: bool, keep_fd: int | None = None) -> No
 
     A child killed by signal ``s`` is reported as exit code ``128 + s``. All fds >= 3 but ``keep_fd``
     are closed first, so this process holds neither the report pipe nor anything the program gets.
+    It is made non-dumpable: as non-root the program has the same kernel uid, and could otherwise
+    ``ptrace`` this process (or write its ``/proc/<pid>/mem``), e.g. to have it fork for a program that
+    may not.
     """
     try:
+        libc = _load_libc()
+        if libc is not None:
+            libc.prctl(_PR_SET_DUMPABLE, *(ctypes.c_ulong(0),) * 4)
         if keep_fd is None:
             os.closerange(3, 1 << 16)
         else:
@@ -152,15 +236,18 @@ class Confinement:
         unknown = set(self.namespaces) - set(_NAMESPACE_FLAGS)
         if unknown:
             raise ValueError(f"unknown namespaces {sorted(unknown)}")
+        self.no_fork = spec["no_fork"] == "1"
         self.tmpdir = spec["tmpdir"]
         self.parent_pid = int(spec["parent_pid"])
         self.is_root = os.geteuid() == 0
+        self.user_namespace = False  # whether _enter_user_namespace made us root in a user namespace
         # An interpreter under a dir "nobody" cannot enter (e.g. pyenv in /root, 0700).
         self.prefix = os.path.realpath(sys.base_prefix)
         self.hidden = hidden_ancestor(self.prefix) if self.is_root else None
 
     def enter(self) -> set[str]:
-        """Confine this process; returns (in H only) the namespaces entered."""
+        """Confine this process; returns (in H only) the namespaces entered, plus ``"nofork"`` if the
+        seccomp filter is in place."""
         got = set()
         if self.namespaces and (self.is_root or self._enter_user_namespace()):
             got = {name for name in self.namespaces if _unshare(_NAMESPACE_FLAGS[name])}
@@ -188,6 +275,8 @@ class Confinement:
                 f"the interpreter under {self.hidden} is not accessible to uid {NOBODY} and no "
                 "mount namespace is available to expose it; use a world-readable Python"
             )
+        if self.user_namespace:
+            self._give_up_namespace_root(must="mnt" in got)
         self._set_rlimits()
         if self.is_root:
             os.setgroups([])
@@ -197,6 +286,8 @@ class Confinement:
                 raise RuntimeError("failed to drop privileges")
         if "pid" not in got:
             self._die_with_caller()  # P is H: the uid change cleared the signal
+        if self.no_fork and _forbid_new_processes():  # last: nothing after it needs a new process
+            got.add("nofork")
         # Backstop should the death signal be unavailable; inherited through exec, the caller kills first.
         signal.alarm(math.ceil(self.limits["wall_time_s"]) + 1)
         return got
@@ -212,6 +303,7 @@ class Confinement:
         uid, gid = os.getuid(), os.getgid()
         if not _unshare(_CLONE_NEWUSER):
             return False
+        self.user_namespace = True
         try:
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"0 {uid} 1")
@@ -219,6 +311,23 @@ class Confinement:
         except OSError:
             pass  # unmapped: unsharing may still work, mounts will likely fail (handled)
         return True
+
+    def _give_up_namespace_root(self, must: bool) -> None:
+        """Non-root, after the mounts: become uid/gid 65534 in a nested user namespace with a new mount
+        namespace. Its mounts, copied from a namespace owned by a more privileged user namespace, are
+        locked, and the program execs with no capability, so it can neither unmount the tmpfs over
+        ``/tmp`` or ``/proc`` nor mount anything. ``must``: fail rather than run the program as the root
+        that made the mounts (it could undo them).
+        """
+        try:
+            if not _unshare(_CLONE_NEWUSER | _CLONE_NEWNS):
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{NOBODY} 0 1")
+            _write("/proc/self/gid_map", f"{NOBODY} 0 1")
+        except OSError as e:
+            if must:
+                raise RuntimeError(f"cannot leave the root of the sandbox's user namespace: {e}") from e
 
     def _mount_private_dirs(self, fresh_proc: bool) -> None:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
@@ -286,7 +395,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         raise ValueError(f"expected KEY=VALUE... -- PROGRAM..., got {argv!r}")
     split = argv.index("--")
     spec = dict(arg.partition("=")[::2] for arg in argv[:split])
-    missing = {*_LIMITS, "namespaces", "tmpdir", "report_fd", "parent_pid"} - spec.keys()
+    missing = {*_LIMITS, "namespaces", "no_fork", "tmpdir", "report_fd", "parent_pid"} - spec.keys()
     if missing or split == len(argv) - 1:
         raise ValueError(f"missing settings {sorted(missing)} or program in {argv!r}")
     return spec, argv[split + 1:]

@@ -110,7 +110,9 @@ def compose(components: Mapping[str, np.ndarray], weights: Mapping[str, float]) 
     components come in the order of `weights`, whatever the order of `components`.
 
     Raises ValueError if the weight names differ from the component names, if the component lengths
-    differ, or if a component holds a non-finite value (NaN/inf).
+    differ, if a component holds a non-finite value (NaN/inf), if a weight is not finite as a float32
+    (e.g. 1e39, finite as a float64, is inf in float32), or if the total overflows float32: the total is
+    always finite.
     """
     if not components:
         raise ValueError("compose needs at least one reward component")
@@ -130,10 +132,17 @@ def compose(components: Mapping[str, np.ndarray], weights: Mapping[str, float]) 
         if not np.all(np.isfinite(a)):
             bad = np.flatnonzero(~np.isfinite(a))
             raise ValueError(f"reward component {name!r} has non-finite values at indices {bad[:8].tolist()}")
-        if not np.isfinite(weights[name]):
-            raise ValueError(f"reward weight for {name!r} is not finite: {weights[name]}")
+        with np.errstate(over="ignore"):  # the total is computed in float32: check the weight there
+            weight32 = np.float32(weights[name])
+        if not (np.isfinite(weights[name]) and np.isfinite(weight32)):
+            raise ValueError(f"reward weight for {name!r} is not finite in float32: {weights[name]}")
     n = next(iter(lengths.values()))
     total = np.zeros(n, dtype=np.float32)
-    for name, a in arrays.items():
-        total += np.float32(weights[name]) * a
+    with np.errstate(over="ignore", invalid="ignore"):  # checked below
+        for name, a in arrays.items():
+            total += np.float32(weights[name]) * a
+    if not np.all(np.isfinite(total)):
+        bad = np.flatnonzero(~np.isfinite(total))
+        raise ValueError(f"the weighted reward total overflows float32 at indices {bad[:8].tolist()}; "
+                         f"weights {dict(weights)}")
     return ComposedRewards(total=total, components=arrays)
