@@ -458,9 +458,7 @@ def test_assert_text_is_not_visible_to_the_program():
 
 # Knows nothing about the answer: forks one child per guess; each child returns its guess and runs
 # into the hidden statement; the parent exits 0 once a child passed (that child wrote the nonce).
-FORK_ORACLE = (
-    "import os\n"
-    "def _try():\n"
+_GUESS_IN_CHILDREN = (  # the body of a function returning, in each of its children, one guess
     "    for guess in range(-3, 30):\n"
     "        pid = os.fork()\n"
     "        if pid == 0:\n"
@@ -469,22 +467,11 @@ FORK_ORACLE = (
     "        if os.waitstatus_to_exitcode(st) == 0:\n"
     "            os._exit(0)\n"
     "    os._exit(1)\n"
-    "_answer = _try()\n"
-    "def add(*a):\n    return _answer\n"
 )
+FORK_ORACLE = ("import os\ndef _try():\n" + _GUESS_IN_CHILDREN +
+               "_answer = _try()\ndef add(*a):\n    return _answer\n")
 # The same, forking inside the function, i.e. while the statement runs.
-FORK_ORACLE_IN_CALL = (
-    "import os\n"
-    "def add(*a):\n"
-    "    for guess in range(-3, 30):\n"
-    "        pid = os.fork()\n"
-    "        if pid == 0:\n"
-    "            return guess\n"
-    "        _, st = os.waitpid(pid, 0)\n"
-    "        if os.waitstatus_to_exitcode(st) == 0:\n"
-    "            os._exit(0)\n"
-    "    os._exit(1)\n"
-)
+FORK_ORACLE_IN_CALL = "import os\ndef add(*a):\n" + _GUESS_IN_CHILDREN
 ADD_TESTS = [{"assert": "assert add(2, 3) == 5"}, {"assert": "assert add(10, 13) == 23"}]
 
 
