@@ -563,7 +563,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
         policy = load_policy(checkpoint, layout=layout, progress=config.progress)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {e}") from None
-    tokenizer = _load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
+    tokenizer, _ = _load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
     generate = _generator(eval_problems, tokenizer, layout.mesh, config)
     with rewards.RewardPool(REWARD_FUNCTIONS[config.reward.function], num_workers=config.reward.num_workers,
                             timeout_s=config.reward.timeout_s, batch_timeout_s=config.reward.batch_timeout_s) as pool:
@@ -661,23 +661,23 @@ def _policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layo
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
     policy = models.replace_config(policy, attention_impl=pretrained.attention_impl, remat=pretrained.remat)
-    tokenizer = _load_checkpoint_tokenizer(pretrained.path, config, "pretrained.path")
+    tokenizer, tokenizer_file = _load_checkpoint_tokenizer(pretrained.path, config, "pretrained.path")
     log.info("loaded %s (%s, %.1fM parameters) and its tokenizer (%d tokens, stop ids %s)", pretrained.path,
              policy.config.family, models.num_parameters(policy.config) / 1e6, tokenizer.vocab_size,
              tokenizer.stop_ids)
-    tokenizer_file = os.path.expanduser(_tokenizer_files(pretrained.path, config.tokenizer.path))
     return policy, tokenizer, tokenizer_file if tokenizer_file.endswith(".model") else None
 
 
-def _load_checkpoint_tokenizer(checkpoint: str, config: Config, field: str) -> BaseTokenizer:
-    """The tokenizer of `checkpoint` (`_tokenizer_files`) with `tokenizer.stop_tokens`; a `CheckpointError`
-    naming `field` (or `tokenizer.path` when set) if there is none."""
+def _load_checkpoint_tokenizer(checkpoint: str, config: Config, field: str) -> tuple[BaseTokenizer, str]:
+    """The tokenizer of `checkpoint` (`_tokenizer_files`) with `tokenizer.stop_tokens`, and the path it came
+    from; a `CheckpointError` naming `field` (or `tokenizer.path` when set) if there is none."""
     configured = config.tokenizer.path
     path = _tokenizer_files(checkpoint, configured)
     if path is None:
         raise CheckpointError(f"{field}: {checkpoint} holds no tokenizer files: set tokenizer.path")
     try:
-        return load_tokenizer(os.path.expanduser(path), stop_tokens=config.tokenizer.stop_tokens)
+        path = os.path.expanduser(path)
+        return load_tokenizer(path, stop_tokens=config.tokenizer.stop_tokens), path
     except (FileNotFoundError, NotADirectoryError) as e:
         where = "tokenizer.path" if configured else field
         hint = "" if configured else "; set tokenizer.path"

@@ -134,7 +134,7 @@ def compose(components: Mapping[str, np.ndarray], weights: Mapping[str, float]) 
             raise ValueError(f"reward component {name!r} has non-finite values at indices {bad[:8].tolist()}")
         with np.errstate(over="ignore"):  # the total is computed in float32: check the weight there
             weight32 = np.float32(weights[name])
-        if not (np.isfinite(weights[name]) and np.isfinite(weight32)):
+        if not np.isfinite(weight32):  # NaN and inf stay so in float32
             raise ValueError(f"reward weight for {name!r} is not finite in float32: {weights[name]}")
     n = next(iter(lengths.values()))
     total = np.zeros(n, dtype=np.float32)
