@@ -617,9 +617,12 @@ def test_non_root_program_cannot_unmount_its_confinement():
             pytest.skip(f"needs setpriv and a Python that uid {uid} may run, to run the sandbox as non-root")
         tmpdir = tempfile.mkdtemp(prefix=f"jaxrl_sandbox_{os.getpid()}_")
         os.chown(tmpdir, uid, uid)
+        # a copy of the launcher that uid may read (the checkout may be in a dir private to root)
+        launcher = shutil.copy(sandbox._LAUNCHER, os.path.join(tmpdir, "launcher.py"))
         report_r, report_w = os.pipe()
         try:
-            argv = sandbox._launcher_argv(py, FAST, tmpdir, report_w)
+            argv = [launcher if a == sandbox._LAUNCHER else a
+                    for a in sandbox._launcher_argv(py, FAST, tmpdir, report_w)]
             proc = subprocess.run(
                 ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv,
                  py, "-S", "-c", UNMOUNT_ESCAPE, marker.name],
