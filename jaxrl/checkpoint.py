@@ -30,6 +30,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The complete checkpoints' steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
     @staticmethod
     def newest(directory: str | os.PathLike) -> int | None:
         """The newest complete checkpoint step under `directory` (None: no directory or no checkpoint); reads

@@ -39,7 +39,8 @@ from jaxrl.losses import Controls, Term
 from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
-                            layout_from, process_local, process_max, process_rows, replicate, shard_batch)
+                            layout_from, process_local, process_max, process_rows, replicate, shard_batch,
+                            wait_for_all_processes)
 from jaxrl.tokenizer import (BaseTokenizer, ChatTemplateError, TokenizerError, encode_examples, encode_prompt,
                              left_pad, load_tokenizer, round_up, train_tokenizer)
 from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
@@ -449,13 +450,20 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         state, controls = _rl_start(config, policy, critic_trunk)
         keep_ref = config.rl.loss.needs_ref_logp or config.rl.loss.needs_full_kl
         try:
-            resumed = _restore(checkpointer, resume_step, state, controls, state.policy if keep_ref else None)
+            resume_step, resumed, damaged = _restore_newest_intact(
+                checkpointer, state, controls, state.policy if keep_ref else None)
+            before = _recorded_evaluation(os.path.join(out, "metrics.jsonl"))
         except BaseException:
             checkpointer.close()
             raise
-        before = _recorded_evaluation(os.path.join(out, "metrics.jsonl"))
 
     os.makedirs(out, exist_ok=True)
+    if resume_step is not None and damaged:  # out of the manager's sight, or it would not save steps below them
+        checkpointer.close()
+        if is_primary():
+            _set_aside(checkpointer.directory, damaged, os.path.join(out, "damaged_checkpoints"))
+        wait_for_all_processes("jaxrl: damaged checkpoints set aside")
+        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
     metrics_path = _metrics_path(out)  # each process keeps its own records: process_<i>/ for i > 0
     if resume_step is None:
         _remove_records(metrics_path)
@@ -1062,6 +1070,40 @@ def _restore(checkpointer: Checkpointer, step: int, state: TrainState, controls:
     return state, controls, ref_policy, metadata
 
 
+def _restore_newest_intact(checkpointer: Checkpointer, state: TrainState, controls: Controls, ref_policy
+                           ) -> tuple[int, tuple, list[int]]:
+    """`(step, _restore's result, damaged)`: the newest checkpoint that restores, after the newer ones that do
+    not (`damaged`, each named in a warning). Raises `CheckpointError` with every checkpoint's error when none
+    restores."""
+    failures: list[tuple[int, CheckpointError]] = []
+    for step in reversed(checkpointer.steps()):
+        try:
+            resumed = _restore(checkpointer, step, state, controls, ref_policy)
+        except CheckpointError as e:
+            failures.append((step, e))
+            continue
+        for damaged, error in failures:
+            log.warning("%s; resuming from the older checkpoint %d instead (the RL steps after it run again)",
+                        error, step)
+        return step, resumed, [damaged for damaged, _ in failures]
+    if not failures:
+        raise CheckpointError(f"resume=true, but {checkpointer.directory} holds no checkpoint")
+    raise CheckpointError("; ".join(str(e) for _, e in failures))
+
+
+def _set_aside(directory: str, steps: list[int], destination: str) -> None:
+    """Move the checkpoints of `steps` from `directory` to `destination/<step>` (`<step>.1`, ... when taken),
+    where they stay for inspection."""
+    os.makedirs(destination, exist_ok=True)
+    for step in steps:
+        target, n = os.path.join(destination, str(step)), 0
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(destination, f"{step}.{n}")
+        os.replace(os.path.join(directory, str(step)), target)
+        log.warning("moved the damaged checkpoint %d to %s", step, target)
+
+
 def _truncate_metrics(path: str, step: int) -> None:
     """Keep the records (and timings) up to RL step `step`: those written after the checkpoint are written
     again by the resumed run."""
@@ -1128,12 +1170,13 @@ def _check_fresh_output_dir(config: Config) -> None:
 
 def _prepare_output_dir(out: str) -> None:
     """A fresh run owns its output directory (see `_check_fresh_output_dir`): the summary, plot, TensorBoard
-    events and checkpoints of an earlier run are removed (each process removes its own records)."""
+    events and checkpoints (damaged ones too) of an earlier run are removed (each process removes its own
+    records)."""
     for name in ("summary.json", "reward_accuracy.png"):
         path = os.path.join(out, name)
         if os.path.exists(path):
             os.remove(path)
-    for name in ("checkpoints", "tensorboard"):
+    for name in ("checkpoints", "damaged_checkpoints", "tensorboard"):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
 
 

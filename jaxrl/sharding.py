@@ -203,6 +203,12 @@ def process_max(value: int) -> int:
     return int(np.max(allgather(np.asarray([value], np.int64), stack=True)))
 
 
+def wait_for_all_processes(name: str) -> None:
+    """Return once every process has called this with the same `name` (at once in single-process runs)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def is_primary() -> bool:
     """Whether this process writes the run's shared files (metrics, summary, tokenizer, exports)."""
     return jax.process_index() == 0

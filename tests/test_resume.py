@@ -76,6 +76,16 @@ def jax_leaves(tree):
     return [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _damage(state_dir):
+    """Overwrite the saved arrays of a checkpoint's `state` directory with garbage."""
+    for name in os.listdir(state_dir):
+        if (state_dir / name).is_dir():
+            for root, _, files in os.walk(state_dir / name):
+                for f in files:
+                    with open(os.path.join(root, f), "wb") as handle:
+                        handle.write(b"garbage")
+
+
 def _interrupted(out, sig, after_step: int, *extra):
     """Start the run; send `sig` once the checkpoint of `after_step` is complete; return the process."""
     process = subprocess.Popen(_command(out, *extra), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
@@ -160,13 +170,7 @@ def test_bad_resumes_name_the_problem(tmp_path):
     assert "the checkpoint lacks an adaptive entropy state" in other_loss.stderr
     assert (out / "metrics.jsonl").read_bytes() == records and (out / "config.yaml").read_bytes() == saved_config
 
-    for name in os.listdir(out / "checkpoints" / "4" / "state"):  # damage the saved arrays
-        path = out / "checkpoints" / "4" / "state" / name
-        if path.is_dir():
-            for root, _, files in os.walk(path):
-                for f in files:
-                    with open(os.path.join(root, f), "wb") as handle:
-                        handle.write(b"garbage")
+    _damage(out / "checkpoints" / "4" / "state")
     corrupt = _train(out, "rl.steps=8", "resume=true")
     assert corrupt.returncode == 2
     assert "cannot restore checkpoint 4" in corrupt.stderr, corrupt.stderr[-2000:]
@@ -188,3 +192,21 @@ def test_two_runs_with_the_same_seed_write_identical_metrics(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(tmp_path):
+    """Checkpoints 4 and 8, the newer damaged: the run resumes from 4, moves 8 to damaged_checkpoints/ (where
+    orbax would keep it from saving steps up to 8), and steps 5-8 come out as they did the first time."""
+    out = tmp_path / "run"
+    first = _train(out, "rl.steps=8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved, records = _state(out, 8), _rl_records(out)
+    _damage(out / "checkpoints" / "8" / "state")
+
+    resumed = _train(out, "rl.steps=8", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "cannot restore checkpoint 8" in resumed.stderr and "from the older checkpoint 4" in resumed.stderr
+    assert "resuming" in resumed.stderr and "after RL step 4" in resumed.stderr
+    assert sorted(os.listdir(out / "damaged_checkpoints")) == ["8"]
+    _assert_same_state(_state(out, 8), saved)
+    assert _rl_records(out) == records
