@@ -79,6 +79,9 @@ def test_extract_code():
     assert extract_code("```\nprint(2)\n```") == "print(2)\n"
     two = "```python\nprint(1)\n```\ntext\n```py\nprint(3)\n```\n```text\nnot code\n```"
     assert extract_code(two) == "print(3)\n"  # last python/untagged block; other languages skipped
+    with_output = "```python\nprint(4)\n```\nOutput:\n```\n4\n```"
+    assert extract_code(with_output) == "print(4)\n"  # a tagged block wins over a later untagged one
+    assert extract_code("```\nprint(5)\n```\n```text\n5\n```") == "print(5)\n"
     assert extract_code("no code here") is None
     assert extract_code("```python\nprint(1)\n") is None  # unterminated
     assert extract_code(None) is None

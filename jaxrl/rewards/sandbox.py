@@ -1,8 +1,9 @@
 """Run untrusted, model-written Python programs against test cases.
 
 ``code_reward(completion, reference)`` extracts the last fenced Python block
-from a completion, runs it against the tests in ``reference`` (JSON
-``{"tests": [...]}``) and returns the fraction that pass. Each test is either
+(the last untagged one if none is tagged) from a completion, runs it against
+the tests in ``reference`` (JSON ``{"tests": [...]}``) and returns the
+fraction that pass. Each test is either
 
 * ``{"input": str, "output": str}``: the program reads stdin and its stdout
   must equal ``output`` after normalisation (each line right-stripped, trailing
@@ -216,15 +217,18 @@ class CodeResult:
 # -- code extraction ---------------------------------------------------------
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
-_PYTHON_TAGS = {"", "python", "py", "python3"}
+_PYTHON_TAGS = {"python", "py", "python3"}
 
 
 def extract_code(completion: str) -> str | None:
-    """The last closed fenced block tagged ``python`` (``py``, ``python3``) or untagged; None if absent."""
+    """The last closed fenced block tagged ``python`` (``py``, ``python3``); without one, the last untagged
+    block (an untagged block after tagged code is usually its example output); None if absent."""
     if not isinstance(completion, str):
         return None
-    blocks = [m.group(2) for m in _FENCE.finditer(completion) if m.group(1).lower() in _PYTHON_TAGS]
-    return blocks[-1] if blocks else None
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(completion)]
+    tagged = [code for tag, code in blocks if tag in _PYTHON_TAGS]
+    untagged = [code for tag, code in blocks if not tag]
+    return (tagged or untagged or [None])[-1]
 
 
 # -- the assert harness ------------------------------------------------------
