@@ -15,6 +15,15 @@
   use: prompts left-padded (BOS first when the tokenizer has one and the text is not already templated),
   completions right-padded and ending in EOS.
 
+Encoding and decoding a `tokenizer.json` directory match transformers 5's `AutoTokenizer` (checked on Llama 3,
+Qwen 2.5 / 3 and Gemma 3 layouts): a raw prompt (`encode_prompt(text, templated=False)`) is `tokenizer(text)`,
+a chat prompt (`templated=True`) is `apply_chat_template(messages, tokenize=True)` (the template writes BOS;
+nothing is added), `decode` is `decode(ids, skip_special_tokens=True)` up to the first stop id. Deliberate
+differences: a raw prompt whose text already begins with the BOS string gets one BOS, not two; a raw prompt
+gets BOS only, never the other tokens a post-processor may add (an EOS after a prompt would end it before the
+model answers), and no BOS without a configured `bos_token`; `decode` stops at the first stop id and also
+drops pad and BOS when they are not special.
+
 Sampled tokens are model output and never trusted: `decode` tolerates ids outside the tokenizer's vocabulary
 (model embedding tables are often padded beyond it) and negative ids.
 
@@ -375,15 +384,20 @@ class HFTokenizer(BaseTokenizer):
     Special tokens are given as strings of the vocabulary (None: the tokenizer has none). `eos_token` (or a
     first `extra_stop_ids` entry) is required; without `pad_token`, padding uses EOS. `add_bos_token=None`
     follows tokenizer.json's post-processor (BOS is added when it adds BOS to a text, as transformers does);
-    True/False overrides it (tokenizer_config.json's `add_bos_token`). `stop_ids`: EOS, `extra_stop_ids`,
-    the ids of `stop_tokens`, and the `END_OF_TURN_TOKENS` of the vocabulary that `chat_template` uses.
+    True/False overrides it (`load_tokenizer` never does: transformers 5 ignores tokenizer_config.json's
+    `add_bos_token` next to a tokenizer.json). `stop_ids`: EOS, `extra_stop_ids`, the ids of `stop_tokens`, and
+    the `END_OF_TURN_TOKENS` of the vocabulary that `chat_template` uses. `clean_up_tokenization_spaces`:
+    `decode` removes the space before `.,!?` and contractions (`" n't"`, `" 's"`, ...), as transformers does,
+    except for a BPE model, where transformers 5 ignores the setting.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None, unk_token: str | None = None,
                  stop_tokens: Iterable[str] = (), extra_stop_ids: Iterable[int] = (),
-                 chat_template: str | None = None, add_bos_token: bool | None = None):
+                 chat_template: str | None = None, add_bos_token: bool | None = None,
+                 clean_up_tokenization_spaces: bool = False):
         self._tok = tokenizer
+        self._clean_up = clean_up_tokenization_spaces and not isinstance(tokenizer.model, tokenizers.models.BPE)
         added = tokenizer.get_added_tokens_decoder()
         self._vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
         given = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token, "unk_token": unk_token}
@@ -432,8 +446,18 @@ class HFTokenizer(BaseTokenizer):
         return ids
 
     def _decode_ids(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if 0 <= i < self._vocab_size and i not in self._special_ids],
+        text = self._tok.decode([i for i in ids if 0 <= i < self._vocab_size and i not in self._special_ids],
                                 skip_special_tokens=True)
+        return _clean_up_tokenization(text) if self._clean_up else text
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization`: the spaces a word-level tokenizer leaves before punctuation and
+    English contractions removed."""
+    for old, new in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                     (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(old, new)
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -501,8 +525,12 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
       `.model` file -> `SentencePieceTokenizer`.
     - Special tokens (`bos_token`, `eos_token`, `pad_token`, `unk_token`; strings or AddedToken dicts
       `{"content": ...}`, null for none) come from `tokenizer_config.json`, overridden by
-      `special_tokens_map.json` (transformers' precedence); `add_bos_token` from `tokenizer_config.json`.
-      Without a pad token, padding uses EOS (logged).
+      `special_tokens_map.json` only when `tokenizer_config.json` has no `added_tokens_decoder` (transformers 5's
+      precedence). Without a pad token, padding uses EOS (logged).
+    - BOS: with a `tokenizer.json`, exactly when its post-processor adds it (`tokenizer_config.json`'s
+      `add_bos_token` is ignored, as transformers 5 ignores it; a warning when they disagree); with a `.model`,
+      unless `add_bos_token` is false. `clean_up_tokenization_spaces` (`tokenizer_config.json`) applies to
+      `decode`, but not for a BPE `tokenizer.json` (transformers 5 ignores it there: Llama 3 sets it).
     - `stop_ids`: EOS, the ids of `generation_config.json`'s `eos_token_id` (an int or a list), the
       `END_OF_TURN_TOKENS` the chat template uses, and `stop_tokens` (strings of the vocabulary).
     - The chat template: `chat_template.jinja` (transformers 5 writes it there), else
@@ -536,13 +564,19 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
     special: dict[str, tuple[str | None, Path]] = {}
     config_file, map_file = directory / "tokenizer_config.json", directory / "special_tokens_map.json"
     config = _read_json(config_file) if config_file.is_file() else {}
-    for source, data in ((config_file, config), (map_file, _read_json(map_file) if map_file.is_file() else {})):
+    # transformers 5 reads special_tokens_map.json only for a tokenizer_config.json without `added_tokens_decoder`
+    # (the files older transformers saved); a config that has one is complete and wins.
+    use_map = map_file.is_file() and "added_tokens_decoder" not in config
+    for source, data in ((config_file, config), (map_file, _read_json(map_file) if use_map else {})):
         for key in SPECIAL_TOKEN_KEYS:
             if key in data:
                 special[key] = (_token_string(data[key], source, key), source)
     add_bos_token = config.get("add_bos_token")
     if add_bos_token is not None and not isinstance(add_bos_token, bool):
         raise TokenizerError(f"{config_file}: add_bos_token must be true, false or null, got {add_bos_token!r}")
+    clean_up = config.get("clean_up_tokenization_spaces")
+    if clean_up is not None and not isinstance(clean_up, bool):
+        raise TokenizerError(f"{config_file}: clean_up_tokenization_spaces must be true or false, got {clean_up!r}")
 
     generation_file = directory / "generation_config.json"
     generation_ids = _generation_stop_ids(generation_file) if generation_file.is_file() else []
@@ -565,7 +599,7 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
         except Exception as e:  # the Rust error names no file; a JSON syntax error gets its line from json
             _read_json(model_file)
             raise TokenizerError(f"{model_file}: cannot load the tokenizer: {e}") from None
-        make = functools.partial(HFTokenizer, backend)
+        make = functools.partial(HFTokenizer, backend, clean_up_tokenization_spaces=bool(clean_up))
     else:
         try:
             proto = model_file.read_bytes()
@@ -573,8 +607,10 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
         except Exception as e:
             raise TokenizerError(f"{model_file}: not a sentencepiece model: {e}") from None
         make = functools.partial(SentencePieceTokenizer, proto)
+    # transformers 5 drops tokenizer_config.json's add_bos_token when there is a tokenizer.json: BOS is then
+    # whatever tokenizer.json's post-processor adds (HFTokenizer's add_bos_token=None).
     try:
-        tokenizer = make(**kwargs, chat_template=chat_template, add_bos_token=add_bos_token,
+        tokenizer = make(**kwargs, chat_template=chat_template, add_bos_token=None if kind == "hf" else add_bos_token,
                          extra_stop_ids=generation_ids, stop_tokens=stop_tokens)
     except _UnknownToken as e:
         source = special[e.key][1] if e.key in special else "the stop_tokens argument"
@@ -584,6 +620,10 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
                              f"(size {e.vocab_size})") from None
     except TokenizerError as e:
         raise TokenizerError(f"{model_file}: {e}") from None
+    if kind == "hf" and add_bos_token is not None and add_bos_token != tokenizer.add_bos_token:
+        logger.warning("%s: add_bos_token=%s is ignored, as transformers 5 ignores it: BOS follows %s's "
+                       "post-processor, which %s", config_file, str(add_bos_token).lower(), model_file,
+                       "adds it" if tokenizer.add_bos_token else "does not add it")
     tokenizer.chat_template_origin = template_origin
     tokenizer._compiled_template, tokenizer._compiled_source = compiled, chat_template
     return tokenizer

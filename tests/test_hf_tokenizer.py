@@ -82,6 +82,26 @@ def train_bpe(specials: list[str], bos: str | None = None) -> str:
     return tok.to_str()
 
 
+def unigram(specials: list[str]) -> str:
+    """tokenizer.json text of a sentencepiece-style Unigram model (not BPE; a fixed vocabulary, since Unigram
+    training is not deterministic): `specials` first (the last one is <unk>), then words, then characters."""
+    words = ["▁Hello", "▁there", "▁world", "▁Don", "'t", "▁I", "▁'m", "▁it", "▁'s", "▁fine"]
+    chars = sorted(set("".join(CORPUS).replace(" ", "")) | set(",.!?'▁"))
+    vocab = [(t, 0.0) for t in specials] + [(w, -2.0) for w in words] + [(c, -5.0) for c in chars]
+    tok = RawTokenizer(models.Unigram(vocab, unk_id=len(specials) - 1, byte_fallback=False))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return tok.to_str()
+
+
+def added_tokens_decoder(tokenizer_json: str) -> dict:
+    """tokenizer_config.json's `added_tokens_decoder` for `tokenizer_json`, as transformers saves it."""
+    added = RawTokenizer.from_str(tokenizer_json).get_added_tokens_decoder()
+    return {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                     "single_word": t.single_word, "special": t.special} for i, t in sorted(added.items())}
+
+
 @pytest.fixture(scope="module")
 def backends():
     return {"qwen": train_bpe(QWEN_SPECIALS), "llama": train_bpe(LLAMA_SPECIALS, bos="<|begin_of_text|>"),
@@ -249,19 +269,96 @@ def test_no_double_bos(llama):
     assert llama.encode_prompt(rendered, templated=True) == templated
 
 
-def test_add_bos_token_setting(tmp_path, backends):
+# Expected ids and texts in the tests below marked "transformers 5.24.0" were computed by transformers 5.24.0
+# (tokenizers 0.23.3) with AutoTokenizer.from_pretrained on the very files these tests write: `tokenizer(text)`
+# for raw prompts, `apply_chat_template(messages, tokenize=True, add_generation_prompt=True)` for chat prompts,
+# `decode(ids, skip_special_tokens=True)`.
+TEXT = "Hi <think>2+2</think> héllo ✓ 日本"  # an added non-special token, accents, multi-byte characters
+
+
+def test_prompts_and_decoding_match_transformers(qwen, llama, gemma):
+    """Raw prompts get the post-processor's BOS (Llama 3, Gemma), chat prompts the template's BOS only."""
+    text_ids = [45, 78, 226, 320, 23, 16, 23, 33, 20, 89, 77, 78, 83, 80, 35, 306, 297, 226, 164, 256, 247, 226, 168,
+                251, 104, 168, 256, 111]  # transformers 5.24.0, llama and gemma files (same trained merges)
+    assert encode_prompt(llama, TEXT, templated=False) == [0, *text_ids]  # <|begin_of_text|>
+    assert encode_prompt(gemma, TEXT, templated=False) == [2, *text_ids]  # <bos>
+    assert encode_prompt(qwen, TEXT, templated=False) == [  # transformers 5.24.0: no BOS
+        42, 75, 223, 320, 20, 13, 20, 30, 17, 86, 74, 75, 80, 77, 32, 319, 223, 161, 253, 244, 223, 165, 248, 101, 165,
+        253, 108]
+    chats = {
+        qwen: [1, 288, 312, 201, 59, 81, 87, 223, 67, 84, 71, 223, 67, 223, 74, 259, 82, 72, 87, 78, 317, 86, 16, 2,
+               201, 1, 293, 201, 311, 268, 297, 13, 20, 33, 2, 201, 1, 273, 314, 86, 201],
+        llama: [0, 2, 291, 315, 3, 204, 204, 57, 84, 73, 70, 94, 226, 41, 277, 74, 31, 226, 22, 226, 47, 266, 300, 21,
+                23, 26, 204, 204, 4, 2, 296, 3, 204, 204, 314, 271, 300, 16, 23, 36, 4, 2, 276, 317, 89, 3, 204, 204],
+        gemma: [2, 4, 296, 204, 314, 271, 300, 16, 23, 36, 5, 204, 4, 287, 279, 204],
+    }  # transformers 5.24.0
+    for tok, expected in chats.items():
+        rendered = tok.apply_chat_template(USER, date_string="1 Jan 2025")
+        assert encode_prompt(tok, rendered, templated=True) == expected
+    # Special tokens (not stops) are skipped, the added non-special <think> is text, bytes join across tokens.
+    for tok, special in ((qwen, "<|im_start|>"), (llama, "<|start_header_id|>"), (gemma, "<start_of_turn>")):
+        ids = tok.encode(TEXT)
+        assert tok.decode([tok.token_to_id(special), *ids[:3], tok.token_to_id(special), *ids[3:]]) == TEXT
+
+
+def test_add_bos_token_is_ignored_next_to_tokenizer_json(tmp_path, backends, caplog):
+    """transformers 5 drops tokenizer_config.json's add_bos_token when there is a tokenizer.json, whatever the
+    tokenizer class (checked: PreTrainedTokenizerFast, LlamaTokenizerFast, Qwen2TokenizerFast, GemmaTokenizerFast):
+    BOS is what the post-processor adds. Expected ids: transformers 5.24.0."""
     base = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
-    # The post-processor adds no BOS: follow it, unless add_bos_token says otherwise; never twice.
-    no_post = load_tokenizer(write_dir(tmp_path / "a", backends["llama_no_post"], config=base))
-    assert not no_post.add_bos_token and encode_prompt(no_post, "Hi", templated=False) == no_post.encode("Hi")
-    forced = load_tokenizer(write_dir(tmp_path / "b", backends["llama_no_post"],
-                                      config={**base, "add_bos_token": True}))
-    assert encode_prompt(forced, "Hi", templated=False) == [forced.bos_id, *forced.encode("Hi")]
-    assert forced.encode("Hi", add_special_tokens=True) == [forced.bos_id, *forced.encode("Hi")]
-    # The post-processor adds BOS but add_bos_token is false: no BOS.
-    off = load_tokenizer(write_dir(tmp_path / "c", backends["llama"], config={**base, "add_bos_token": False}))
-    assert encode_prompt(off, "Hi", templated=False) == off.encode("Hi")
-    assert off.encode("Hi", add_special_tokens=True) == off.encode("Hi")
+    hello = [45, 272, 309, 74, 19]  # "Hello there."
+    cases = [("llama", {**base, "add_bos_token": False}, [0, *hello]), ("llama", base, [0, *hello]),
+             ("llama_no_post", {**base, "add_bos_token": True}, hello), ("llama_no_post", base, hello)]
+    for n, (backend, config, expected) in enumerate(cases):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxrl.tokenizer"):
+            tok = load_tokenizer(write_dir(tmp_path / str(n), backends[backend], config=config))
+        assert tok.encode("Hello there.") == hello
+        assert encode_prompt(tok, "Hello there.", templated=False) == expected
+        assert tok.encode("Hello there.", add_special_tokens=True) == expected
+        assert encode_prompt(tok, "", templated=False) == expected[:-len(hello)]
+        assert tok.add_bos_token == (expected != hello)
+        flag = str(config.get("add_bos_token")).lower()  # "none": not set, no warning
+        assert (f"tokenizer_config.json: add_bos_token={flag} is ignored" in caplog.text) == (flag != "none")
+    # Gemma-like: <bos> from the post-processor although add_bos_token is false; the chat template writes it once.
+    gemma = load_tokenizer(write_dir(tmp_path / "g", backends["gemma"],
+                                     config={"chat_template": GEMMA, "add_bos_token": False},
+                                     special_tokens_map={"bos_token": "<bos>", "eos_token": "<eos>"}))
+    assert encode_prompt(gemma, "Hello there.", templated=False) == [2, *hello]
+    assert encode_prompt(gemma, gemma.apply_chat_template([{"role": "user", "content": "Hi"}]), templated=True) == [
+        2, 4, 296, 204, 45, 78, 5, 204, 4, 287, 279, 204]
+
+
+def test_special_tokens_map_is_read_only_without_added_tokens_decoder(tmp_path, backends):
+    """transformers 5 reads special_tokens_map.json only for a tokenizer_config.json without added_tokens_decoder.
+    transformers 5.24.0: eos <|eot_id|> (4) and no pad token with added_tokens_decoder; eos <|end_of_text|> (1) and
+    pad <|eom_id|> (5) without it."""
+    base = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    special_tokens_map = {"eos_token": "<|end_of_text|>", "pad_token": "<|eom_id|>"}
+    full = {**base, "added_tokens_decoder": added_tokens_decoder(backends["llama"])}
+    tok = load_tokenizer(write_dir(tmp_path / "a", backends["llama"], config=full,
+                                   special_tokens_map=special_tokens_map))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 4, 4)  # no pad token: EOS pads
+    assert tok.special_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    tok = load_tokenizer(write_dir(tmp_path / "b", backends["llama"], config=base,
+                                   special_tokens_map=special_tokens_map))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 5)
+
+
+def test_clean_up_tokenization_spaces(tmp_path, backends):
+    """tokenizer_config.json's clean_up_tokenization_spaces applies to decode, except for a BPE model (transformers 5
+    ignores it there: Llama 3 sets it). Expected ids and texts: transformers 5.24.0."""
+    text = "Hello , world . Don't ! I 'm sure it 's fine ?"
+    ids = [3, 44, 16, 5, 44, 17, 6, 7, 44, 13, 8, 9, 44, 37, 39, 36, 28, 10, 11, 12, 44, 20]
+    config = {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    model = unigram(["<pad>", "</s>", "<unk>"])
+    clean = load_tokenizer(write_dir(tmp_path / "a", model, config={**config, "clean_up_tokenization_spaces": True}))
+    assert clean.encode(text) == ids
+    assert clean.decode(ids) == "Hello, world. Don't! I'm sure it's fine?"
+    assert load_tokenizer(write_dir(tmp_path / "b", model, config=config)).decode(ids) == text
+    llama = load_tokenizer(write_dir(tmp_path / "c", backends["llama"], config={
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True}))
+    assert llama.decode(llama.encode(text)) == text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -384,6 +481,8 @@ def test_bad_values_name_file_and_key(tmp_path, backends):
          r"generation_config\.json: eos_token_id must be an int or a list of ints"),
         (dict(config={"eos_token": "<|im_end|>", "add_bos_token": "yes"}),
          r"tokenizer_config\.json: add_bos_token must be"),
+        (dict(config={"eos_token": "<|im_end|>", "clean_up_tokenization_spaces": 1}),
+         r"tokenizer_config\.json: clean_up_tokenization_spaces must be true or false"),
         (dict(config={"bos_token": None}), r"tokenizer\.json: no EOS"),
         (dict(config="[1, 2]"), r"tokenizer_config\.json: expected a JSON object"),
         (dict(config={"eos_token": "<|im_end|>"}, jinja="{% for m in messages %}\n{{ m }"),
