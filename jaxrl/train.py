@@ -62,11 +62,14 @@ class TrainState:
 
 def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: float = 0.0, b1: float = 0.9,
                    b2: float = 0.99, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with a linear warmup to a constant learning rate."""
-    schedule = optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else learning_rate
+    """Global-norm clipping, then AdamW with a linear warmup to a constant learning rate: update i (1-based)
+    uses `learning_rate * min(1, i / warmup_steps)`, so the first update already moves the parameters and
+    update `warmup_steps` is the first at the full rate."""
+    def warmup(count: jax.Array) -> jax.Array:  # count: updates taken before this one
+        return learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
     return optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
-        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
+        optax.adamw(warmup if warmup_steps else learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),
     )
 
 

@@ -133,3 +133,24 @@ def test_remax_baseline_is_the_greedy_completion_shaped_like_the_samples(tmp_pat
     for record, (correct, total) in zip(records, greedy_calls):
         assert not np.array_equal(correct, total)  # the penalty is on
         np.testing.assert_allclose(record["reward/greedy_mean"], total.mean(), rtol=1e-6)
+
+
+def test_warmup_ramps_the_learning_rate_from_the_first_update():
+    """Update i (1-based) of `make_optimizer` uses lr * min(1, i / warmup_steps): the first update moves the
+    parameters (optax's linear_schedule from 0 gave it a learning rate of 0) and update `warmup_steps` is the
+    first at the full rate. With a constant gradient Adam's bias-corrected step is the learning rate itself."""
+    import jax.numpy as jnp
+
+    from jaxrl.train import make_optimizer
+
+    optimizer = make_optimizer(0.1, warmup_steps=4)
+    params = {"w": jnp.zeros(3, jnp.float32)}
+    grads = {"w": jnp.full(3, 0.5, jnp.float32)}  # norm < max_grad_norm: no clipping
+    state, moves = optimizer.init(params), []
+    for _ in range(6):
+        updates, state = optimizer.update(grads, state, params)
+        moves.append(-float(updates["w"][0]))
+    np.testing.assert_allclose(moves, [0.025, 0.05, 0.075, 0.1, 0.1, 0.1], rtol=1e-5)
+    updates, _ = make_optimizer(0.1).update(grads, make_optimizer(0.1).init(params), params)
+    np.testing.assert_allclose(-np.asarray(updates["w"]), 0.1, rtol=1e-5)  # no warmup: the full rate at once
+
