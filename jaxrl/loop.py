@@ -272,6 +272,7 @@ class RolloutResult:
     metrics: dict[str, float]  # dynamic sampling's
     batch: dict | None = None  # `rollout_batch` under the sampling-time models (rl.overlap), else None
     logprobs_s: float = 0.0  # the wait for that batch after scoring
+    greedy_rewards: np.ndarray | None = None  # ReMax's baseline [P * G] (this process's rows), else None
 
 
 def _dynamic_result(rounds, informative, generate: Generator, group_size: int, sample_s: float,
@@ -810,7 +811,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
             rounds.append((problems, generation, scored))
             if not dynamic:
-                return with_batch(RolloutResult(problems, generation, scored, sample_s, reward_s, {}), batch)
+                result = RolloutResult(problems, generation, scored, sample_s, reward_s, {})
+                return with_batch(with_baseline(result, state.policy, key), batch)
             informative.append(dynamic_sampling.informative_groups(shaped_rewards(
                 scored.rewards, generation.texts, generation.local.completion_mask.sum(1), config).total,
                 rl.group_size))
@@ -818,11 +820,27 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
                 break  # every process has its informative groups (or the rounds ran out)
             problems = next(prompts_iter)
-        result = _dynamic_result(rounds, informative, generate, rl.group_size, sample_s, reward_s)
+        result = with_baseline(_dynamic_result(rounds, informative, generate, rl.group_size, sample_s, reward_s),
+                               state.policy, key)
         if not background:
             return result
         return with_batch(result, rollout_batch(state, logprob_fn, value_fn, result.generation.rollout,
                                                 loss_config, controls, ref_policy))
+
+    def with_baseline(result: RolloutResult, policy, key) -> RolloutResult:
+        """`result` with ReMax's baseline when the estimator is `remax`: each prompt's greedy completion by the
+        policy that sampled `result`, scored and shaped like the samples."""
+        if loss_config.advantage.estimator != "remax":
+            return result
+        t0 = time.perf_counter()
+        greedy_out = generate(policy, [p.prompt for p in result.problems], key, greedy)
+        t1 = time.perf_counter()
+        greedy_scored = pool.score(greedy_out.texts, [p.reference for p in result.problems])
+        total = shaped_rewards(greedy_scored.rewards, greedy_out.texts, greedy_out.local.completion_mask.sum(1),
+                               config).total
+        return dataclasses.replace(result, greedy_rewards=np.repeat(total, rl.group_size),
+                                   sample_s=result.sample_s + t1 - t0,
+                                   reward_s=result.reward_s + time.perf_counter() - t1)
 
     def with_batch(result: RolloutResult, batch: dict | None) -> RolloutResult:
         """`result` holding `batch` once the device has computed it (the wait is its logprobs_s)."""
@@ -851,7 +869,6 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     try:
         for step in bar:
             record: dict[str, Any] = {"phase": "rl", "step": step}
-            step_key = jax.random.fold_in(rl_key, step)
             t0 = time.perf_counter()
             from_background = pending is not None
             if from_background:
@@ -877,16 +894,12 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             if scored is None:
                 scored = pool.score(texts, references(problems))
             t3 = time.perf_counter()
-            reward_s = produced.reward_s if produced.scored is not None else t3 - t2
+            reward_s = produced.reward_s + (t3 - t2 if produced.scored is None else 0.0)  # (+ ReMax's baseline)
             composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
             seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
                     "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
-            if loss_config.advantage.estimator == "remax":  # ReMax's baseline: the greedy completion's reward,
-                greedy_out = generate(state.policy, [p.prompt for p in problems], step_key, greedy)  # shaped alike
-                greedy_scored = pool.score(greedy_out.texts, [p.reference for p in problems])
-                greedy_total = shaped_rewards(greedy_scored.rewards, greedy_out.texts,
-                                              greedy_out.local.completion_mask.sum(1), config).total
-                seen["greedy"] = np.repeat(greedy_total, rl.group_size)
+            if produced.greedy_rewards is not None:
+                seen["greedy"] = produced.greedy_rewards
             seen = gather(seen, generate.mesh)  # every process's rows, on every process
             scored = _gathered_result(scored, seen["correct"], generate.mesh)
             composed = rewards.compose(seen["components"], component_weights)

@@ -154,3 +154,23 @@ def test_warmup_ramps_the_learning_rate_from_the_first_update():
     updates, _ = make_optimizer(0.1).update(grads, make_optimizer(0.1).init(params), params)
     np.testing.assert_allclose(-np.asarray(updates["w"]), 0.1, rtol=1e-5)  # no warmup: the full rate at once
 
+
+def test_remax_baseline_comes_from_the_policy_that_sampled_under_overlap(tmp_path, monkeypatch):
+    """With rl.overlap, step t + 1 is sampled during step t's update by the parameters from before it; ReMax's
+    greedy baseline must come from those parameters too, or each advantage compares two policies."""
+    calls = []  # (prompts, greedy?, a fingerprint of the parameters)
+    real = loop.Generator.__call__
+
+    def spy(self, policy, prompts, rng, config, *args, **kwargs):
+        fingerprint = tuple(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(policy.params))
+        calls.append((tuple(prompts), config.temperature == 0.0, fingerprint))
+        return real(self, policy, prompts, rng, config, *args, **kwargs)
+
+    monkeypatch.setattr(loop.Generator, "__call__", spy)
+    loop.run(tiny_config(tmp_path, "rl.steps=3", "eval.every=0", "checkpoint.every=0", "rl.overlap=true",
+                         "rl.loss.advantage.estimator=remax"))
+    sampled = {(prompts, fingerprint) for prompts, greedy, fingerprint in calls if not greedy}
+    baselines = [(prompts, fingerprint) for prompts, greedy, fingerprint in calls
+                 if greedy and len(prompts) == 4]  # rl.prompts_per_step (evaluations use eval.batch_size)
+    assert len(baselines) == 3 and len({f for _, f in baselines}) == 2  # steps 1 and 2 by the first parameters
+    assert all(baseline in sampled for baseline in baselines)
