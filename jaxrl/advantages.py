@@ -119,16 +119,17 @@ def grpo(rewards: jax.Array, group_size: int, *, std_scope: StdScope = "group", 
          ) -> jax.Array:
     """Group-relative advantage (GRPO, Shao et al. 2024, arXiv 2402.03300).
 
-    `A_i = (r_i - mean_group(r)) / (std + eps)`, with std the population std of the group ("group"),
-    of all B rewards ("batch": Lite-PPO's group mean with batch std, Liu et al. 2025 "Tricks or Traps",
-    arXiv 2508.08221), or no division ("none": Dr. GRPO). rewards `[B]` -> `[B]`.
+    `A_i = (r_i - mean_group(r)) / (std + eps)`, with std the sample std (ddof 1, as TRL, verl and OpenRLHF
+    compute it with `torch.std`) of the group ("group"), of all B rewards ("batch": Lite-PPO's group mean
+    with batch std, Liu et al. 2025 "Tricks or Traps", arXiv 2508.08221), or no division ("none": Dr. GRPO).
+    A single sample (group_size 1, or B = 1 for "batch") has std 0. rewards `[B]` -> `[B]`.
     """
     grouped = _groups(rewards, group_size)
     centered = _group_centered(rewards, group_size).reshape(grouped.shape)
     if std_scope == "group":
-        centered = centered / (grouped.std(axis=1, keepdims=True) + eps)
+        centered = centered / (grouped.std(axis=1, keepdims=True, ddof=min(1, group_size - 1)) + eps)
     elif std_scope == "batch":
-        centered = centered / (grouped.std() + eps)
+        centered = centered / (grouped.std(ddof=min(1, grouped.size - 1)) + eps)
     elif std_scope != "none":
         raise ValueError(f"std_scope must be 'group', 'batch' or 'none', got {std_scope!r}")
     return centered.reshape(-1)
@@ -329,7 +330,7 @@ def grpo_s(rewards: jax.Array, entropy: jax.Array, mask: jax.Array, group_size: 
     eps). With O+ = {i: r_i > 0} (n rows) and O- = the rest (m rows) of the group:
       i in O+: `beta1 * r_i + beta2 * Hbar_i / sum_{k in O+} Hbar_k * n`
       j in O-: `-beta1 - beta2 * (1 / Hbar_j) / sum_{k in O-} (1 / Hbar_k) * m`
-    then GRPO-normalised within the group, `(x - mean) / (std + eps)`. -> `[B]`.
+    then GRPO-normalised within the group (`grpo`: `(x - mean) / (std + eps)`, sample std). -> `[B]`.
     """
     r = _groups(rewards, group_size)
     m = jnp.asarray(mask, jnp.float32)

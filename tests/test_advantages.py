@@ -64,17 +64,19 @@ broadcast_to_tokens = jit(adv.broadcast_to_tokens)
 # --------------------------------------------------------------------------- numpy references (loops)
 
 
-def ref_mean_std(xs):
+def ref_mean_std(xs, ddof=0):
+    """Mean and std (population by default; ddof=1: the sample std, 0 for a single value)."""
     xs = list(xs)
     mean = sum(xs) / len(xs)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / max(len(xs) - ddof, 1))
 
 
 def ref_grpo(r, g, scope="group", eps=1e-6):
+    """GRPO as TRL / verl / OpenRLHF compute it: group mean, sample std (torch.std, ddof 1)."""
     out = np.zeros(len(r))
-    _, batch_std = ref_mean_std(r)
+    _, batch_std = ref_mean_std(r, ddof=1)
     for start in range(0, len(r), g):
-        mean, std = ref_mean_std(r[start:start + g])
+        mean, std = ref_mean_std(r[start:start + g], ddof=1)
         for i in range(start, start + g):
             scale = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scope]
             out[i] = (r[i] - mean) / scale
@@ -221,11 +223,23 @@ def ref_broadcast(a, mask):
 
 def test_grpo_hand_computed():
     r = f32([1, 0, 0, 1, 1, 1, 1, 1])
-    close(adv.grpo(r, 4), [1, -1, -1, 1, 0, 0, 0, 0])
+    # group [1,0,0,1]: mean 0.5, sample std sqrt(1/3)
+    close(adv.grpo(r, 4), np.array([1, -1, -1, 1, 0, 0, 0, 0]) * 0.5 / (math.sqrt(1 / 3) + 1e-6))
     close(adv.dr_grpo(r, 4), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
-    # batch std of [1,0,0,1,1,1,1,1]: mean 0.75, std sqrt(0.1875)
+    # batch std of [1,0,0,1,1,1,1,1]: mean 0.75, sample std sqrt(1.5 / 7)
     close(adv.grpo(r, 4, std_scope="batch"), np.array([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (
-        math.sqrt(0.1875) + 1e-6))
+        math.sqrt(1.5 / 7) + 1e-6))
+
+
+def test_grpo_std_is_the_sample_std_of_trl_verl_openrlhf():
+    """One correct of 8: torch's `(r - r.mean()) / (r.std() + eps)` (ddof 1), not the population std's
+    sqrt(8/7) larger advantages. A group of one sample has no spread: advantage 0, not NaN."""
+    r = np.array([1, 0, 0, 0, 0, 0, 0, 0], np.float64)
+    expected = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    close(adv.grpo(f32(r), 8), expected)
+    close(adv.grpo(f32(r), 8, std_scope="batch"), expected)  # one group: its std is the batch's
+    close(adv.grpo(f32([1, 0, 0.5]), 1), [0, 0, 0])
+    close(adv.grpo(f32([1]), 1, std_scope="batch"), [0])
 
 
 @pytest.mark.parametrize("b,n,g", SHAPES)

@@ -255,7 +255,7 @@ def np_grpo(rewards, g, eps=1e-6):
     out = np.zeros(len(rewards))
     for start in range(0, len(rewards), g):
         grp = np.asarray(rewards[start:start + g], np.float64)
-        out[start:start + g] = (grp - grp.mean()) / (grp.std() + eps)
+        out[start:start + g] = (grp - grp.mean()) / (grp.std(ddof=1) + eps)  # torch.std, as TRL / verl
     return out
 
 
