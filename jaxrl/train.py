@@ -247,7 +247,7 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         trainable = {"policy": state.policy.params}
         if state.critic is not None:
             trainable["critic"] = state.critic.params
-        norm = losses.normalizers(batch["loss_mask"], norm_length)
+        norm = losses.normalizers(batch["loss_mask"], norm_length, batch.get("token_weights"))
         layout = state.policy.layout
         if micro_batches == 1:
             (_, metrics), grads = grad_fn(trainable, state, batch, norm, controls, ref_policy)

@@ -636,6 +636,42 @@ def test_policy_term_metrics_and_custom_objective():
         policy_term("ppo_clip", ratio="seq")
 
 
+def test_policy_metrics_describe_only_tokens_of_nonzero_weight_with_whole_batch_counts():
+    """Clip, ratio and KL metrics are over the valid tokens the loss counts (weight != 0), normalised by the
+    whole batch's count of them, so micro-batches add up to the whole; masked_frac and entropy stay over all
+    valid tokens. A token of weight 0 that is clipped (or far off-policy) must not show in them."""
+    d = make_batch(19, token_adv=True)
+    m, a = d["mask"], d["adv"]
+    lr = np.where(m > 0, np.log(f64([[1.6, 1.6, 1.0, 1.0, 0.5, 0.5]] * B)), 0.0)  # ratios 1.6 / 1 / 0.5
+    d = {**d, "logp": f32(f64(d["old"]) + lr)}
+    weights = f32(np.tile([0.0, 0.0, 1.0, 0.5, 1.0, 2.0], (B, 1)))  # the ratio-1.6 tokens are not in the loss
+    counted = (m > 0) & (weights != 0)
+    norm = normalizers(jnp.asarray(m), token_weights=jnp.asarray(weights))
+    assert float(norm.num_counted_tokens) == counted.sum() and float(norm.num_tokens) == m.sum()
+    term = policy_term("ppo_clip", eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    inputs = inputs_of(d, entropy=jnp.asarray(d["entropy"]), token_weights=jnp.asarray(weights))
+    _, metrics = term(inputs, norm, CONTROLS)
+    r = np.exp(f64(d["logp"]) - f64(d["old"]))
+    assert float(metrics["ratio_mean"]) == pytest.approx(r[counted].mean(), rel=1e-5)
+    assert float(metrics["ratio_max"]) == pytest.approx(r[counted].max(), rel=1e-5)
+    assert float(metrics["ratio_min"]) == pytest.approx(r[counted].min(), rel=1e-5)
+    assert float(metrics["clip_frac_high"]) == 0.0  # every r > 1 + eps_high token has weight 0
+    assert float(metrics["clip_frac_low"]) == pytest.approx(((a < 0) & (r < 1 - EPS_LOW))[counted].mean(), rel=1e-6)
+    kl_old = np_k3(f64(d["old"]), f64(d["logp"]))
+    assert float(metrics["approx_kl_old"]) == pytest.approx(kl_old[counted].mean(), rel=1e-4)
+    assert float(metrics["masked_frac"]) == pytest.approx(((weights == 0) & (m > 0)).sum() / m.sum(), rel=1e-6)
+    assert float(metrics["entropy"]) == pytest.approx(f64(d["entropy"])[m > 0].mean(), rel=1e-5)
+    # two micro-batches with the whole batch's counts add up to the whole batch's metrics
+    rows = [slice(0, 2), slice(2, B)]
+    parts = [term(LossInputs(**{k: (None if v is None else v[s]) for k, v in vars(inputs).items()}), norm,
+                  CONTROLS)[1] for s in rows]
+    for name, value in reduce_metrics(*parts).items():
+        assert float(value) == pytest.approx(float(metrics[name]), rel=1e-5, abs=1e-7), name
+    # counts taken without the weights: the metrics describe all valid tokens, as before
+    _, unweighted = term(inputs, norm_of(m), CONTROLS)
+    assert float(unweighted["ratio_mean"]) == pytest.approx(r[m > 0].mean(), rel=1e-5)
+
+
 def test_terms_run_under_jit():
     d = make_batch(18, token_adv=True)
     m = d["mask"]

@@ -95,6 +95,26 @@ def test_four_micro_batches_give_the_loss_and_gradient_of_one(aggregation, kl_es
     assert all(np.linalg.norm(np.asarray(g)) > 0 for g in jax.tree.leaves(g1["policy"]))
 
 
+def test_step_metrics_describe_the_tokens_the_loss_counts():
+    """A step's ratio metrics are over the valid tokens of non-zero weight (those the loss counts), with one
+    micro-batch or four."""
+    policy = models.init(MODEL, 0)
+    state = init_train_state(policy, optax.sgd(1.0))
+    batch = _batch(policy)
+    valid = np.asarray(batch["loss_mask"]) > 0
+    counted = valid & (np.asarray(batch["token_weights"]) != 0)
+    logp, _ = completion_logprobs(policy, batch["tokens"], batch["prompt_valid"])
+    ratio = np.exp(np.asarray(logp, np.float64) - np.asarray(batch["old_logp"], np.float64))
+    assert ratio[counted].mean() != pytest.approx(ratio[valid].mean(), rel=1e-3)
+    loss = losses.build_loss(LossConfig(preset="dapo"))
+    for micro in (1, 4):
+        _, metrics = jax.jit(make_rl_gradients(loss, micro_batches=micro))(
+            state, batch, Controls(jnp.float32(0.0), jnp.float32(1.0)))
+        assert float(metrics["ratio_mean"]) == pytest.approx(ratio[counted].mean(), rel=1e-5)
+        assert float(metrics["ratio_max"]) == pytest.approx(ratio[counted].max(), rel=1e-5)
+        assert float(metrics["ratio_min"]) == pytest.approx(ratio[counted].min(), rel=1e-5)
+
+
 def test_micro_batch_gradients_of_bf16_weights_are_summed_in_float32():
     """With bf16 weights the micro-batches' gradients are summed in float32 (the scan carries float32) and the
     result has the weights' dtype, as with one micro-batch."""

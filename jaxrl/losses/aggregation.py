@@ -39,19 +39,26 @@ class Normalizers:
     num_seqs: scalar, rows with at least one valid token.
     num_rows: scalar, all rows.
     norm_length: constant length of `seq-mean-token-sum-norm` (static).
+    num_counted_tokens: scalar, valid tokens whose token weight is not 0 (those the policy loss counts:
+      its clip and ratio metrics describe them), or None when the counts were taken without the weights.
     """
 
     num_tokens: jax.Array
     num_seqs: jax.Array
     num_rows: jax.Array
     norm_length: float = struct.field(pytree_node=False, default=1.0)
+    num_counted_tokens: jax.Array | None = None
 
 
-def normalizers(mask: jax.Array, norm_length: float = 1.0) -> Normalizers:
-    """Counts of the batch whose loss mask is `mask [B, N]` (the whole batch, before any split)."""
+def normalizers(mask: jax.Array, norm_length: float = 1.0, token_weights: jax.Array | None = None
+                ) -> Normalizers:
+    """Counts of the batch whose loss mask is `mask [B, N]` (the whole batch, before any split), and with
+    its `token_weights [B, N]` (`LossInputs.token_weights`) the count of valid tokens of non-zero weight."""
     m = mask.astype(jnp.float32)
+    counted = None if token_weights is None else jnp.sum(m * (token_weights != 0))
     return Normalizers(num_tokens=m.sum(), num_seqs=(m.sum(axis=1) > 0).sum().astype(jnp.float32),
-                       num_rows=jnp.float32(m.shape[0]), norm_length=float(norm_length))
+                       num_rows=jnp.float32(m.shape[0]), norm_length=float(norm_length),
+                       num_counted_tokens=counted)
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm: Normalizers) -> jax.Array:
@@ -70,9 +77,12 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm: Normalizer
     raise ValueError(f"unknown aggregation {mode!r}; valid choices: {', '.join(AGGREGATIONS)}")
 
 
-def token_mean(per_token: jax.Array, mask: jax.Array, norm: Normalizers) -> jax.Array:
-    """`sum(per_token * mask) / num_tokens`: how every per-token *metric* is reported."""
-    return jnp.sum(per_token * mask.astype(jnp.float32)) / jnp.maximum(norm.num_tokens, 1.0)
+def token_mean(per_token: jax.Array, mask: jax.Array, norm: Normalizers, count: jax.Array | None = None
+               ) -> jax.Array:
+    """`sum(per_token * mask) / count`: how every per-token *metric* is reported. `count` is the whole-batch
+    number of the tokens `mask` selects: `num_tokens` by default, `num_counted_tokens` for a narrower mask."""
+    count = norm.num_tokens if count is None else count
+    return jnp.sum(per_token * mask.astype(jnp.float32)) / jnp.maximum(count, 1.0)
 
 
 def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -96,7 +96,10 @@ def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token",
     `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c) -> (loss [B, N], metrics [B, N])`.
     Metrics: `policy_loss`, the objective's per-token indicators (token means), `ratio_mean`, `ratio_max`,
     `ratio_min`, `approx_kl_old` (k3 of the old policy to the current), `masked_frac` (valid tokens whose
-    weight is 0) and `entropy` when available.
+    weight is 0) and `entropy` when available. With token weights, the objective's indicators and the ratio
+    and KL metrics describe only the valid tokens of non-zero weight, those the loss counts, normalised by
+    `norm.num_counted_tokens` (take the `Normalizers` with `normalizers(..., token_weights=...)`; without that
+    count they describe all valid tokens); `masked_frac` and `entropy` describe all valid tokens.
     """
     if isinstance(objective, str):
         if objective not in OBJECTIVE_FUNCTIONS:
@@ -114,13 +117,16 @@ def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token",
         weights = jnp.ones_like(mask) if inputs.token_weights is None else inputs.token_weights
         loss = aggregate(per_token * weights, mask, aggregation, norm)
         ratio_value = clamped_ratio(log_ratio)
-        metrics = {name: token_mean(value, mask, norm) for name, value in token_metrics.items()}
+        counted, count = mask, None  # the tokens the loss counts, and their whole-batch number
+        if inputs.token_weights is not None and norm.num_counted_tokens is not None:
+            counted, count = mask * (weights != 0), norm.num_counted_tokens
+        metrics = {name: token_mean(value, counted, norm, count) for name, value in token_metrics.items()}
         metrics.update(
             policy_loss=loss,
-            ratio_mean=token_mean(ratio_value, mask, norm),
-            ratio_max=masked_max(ratio_value, mask),
-            ratio_min=masked_min(ratio_value, mask),
-            approx_kl_old=token_mean(kl_k3(sg(inputs.old_logp), sg(inputs.logp)), mask, norm),
+            ratio_mean=token_mean(ratio_value, counted, norm, count),
+            ratio_max=masked_max(ratio_value, counted),
+            ratio_min=masked_min(ratio_value, counted),
+            approx_kl_old=token_mean(kl_k3(sg(inputs.old_logp), sg(inputs.logp)), counted, norm, count),
             masked_frac=token_mean((weights == 0).astype(jnp.float32), mask, norm),
         )
         if inputs.entropy is not None:
