@@ -51,7 +51,7 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too: it would turn every logit into NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.decode_segments < 1:
             raise ValueError(f"decode_segments must be >= 1, got {self.decode_segments}")
@@ -204,9 +204,9 @@ def sample(
         a stop string's encoding: `stop_sequences_for`). The sequence is part of the completion;
         `finish_reason` is FINISH_EOS.
 
-    Raises `ValueError` before compiling for an empty prompt, a token id outside the vocabulary (in a prompt,
-    its padding or `pad_id`; `eos_id` may be -1: never sampled), a prompt plus `max_new_tokens` beyond the
-    model's `max_position_embeddings`, or `group_size < 1`.
+    Raises `ValueError` before compiling for no prompts, an empty prompt, a token id outside the vocabulary (in
+    a prompt, its padding or `pad_id`; `eos_id` may be -1: never sampled), a prompt plus `max_new_tokens` beyond
+    the model's `max_position_embeddings`, or `group_size < 1`.
     """
     _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
     stop_sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences)
@@ -231,6 +231,8 @@ def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingC
     if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_valid.shape:
         raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_valid {prompt_valid.shape} must be the "
                          "same [batch, prompt_len] shape")
+    if not prompt_tokens.shape[0]:
+        raise ValueError(f"prompt_tokens {prompt_tokens.shape} has no rows: need at least one prompt")
     total = prompt_tokens.shape[1] + config.max_new_tokens
     if total > policy.config.max_position_embeddings:
         raise ValueError(f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {config.max_new_tokens} = "

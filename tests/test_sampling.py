@@ -142,6 +142,7 @@ def test_min_p_filter():
     (lambda t, v: (t.at[0, 5].set(CONFIG.vocab_size), v), "row 0, position 5: token id 24 is outside"),
     (lambda t, v: (t.at[2, 5].set(-1), v), "token id -1 is outside"),
     (lambda t, v: (t, v.at[0, 5].set(False)), "not left-padded"),
+    (lambda t, v: (t[:0], v[:0]), r"prompt_tokens \(0, 6\) has no rows"),  # was a ZeroDivisionError while tracing
     # a padding slot beyond the embedding table read NaN, and masked attention spread it over the row
     (lambda t, v: (t.at[2, 1].set(CONFIG.vocab_size), v), r"row 2, position 1 \(a padding slot\): token id 24"),
 ])
@@ -162,6 +163,8 @@ def test_bad_lengths_and_settings():
         sample(short, tokens, valid, jax.random.key(0), SamplingConfig(max_new_tokens=5), EOS, PAD)
     with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
         SamplingConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):  # NaN logits: token garbage
+        SamplingConfig(temperature=float("nan"))
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), EOS, PAD, group_size=0)
     with pytest.raises(ValueError, match=r"pad_id: token id 24 is outside the model's vocabulary \[0, 24\)"):
