@@ -64,13 +64,27 @@ def make_optimizer(learning_rate: float, warmup_steps: int = 0, weight_decay: fl
                    b2: float = 0.99, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with a linear warmup to a constant learning rate: update i (1-based)
     uses `learning_rate * min(1, i / warmup_steps)`, so the first update already moves the parameters and
-    update `warmup_steps` is the first at the full rate."""
+    update `warmup_steps` is the first at the full rate. Weight decay applies to matrices and embeddings
+    only (`decay_matrices`)."""
     def warmup(count: jax.Array) -> jax.Array:  # count: updates taken before this one
         return learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps)
     return optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
-        optax.adamw(warmup if warmup_steps else learning_rate, b1=b1, b2=b2, weight_decay=weight_decay),
+        optax.chain(optax.scale_by_adam(b1=b1, b2=b2), decay_matrices(weight_decay),  # optax.adamw's order
+                    optax.scale_by_learning_rate(warmup if warmup_steps else learning_rate)),
     )
+
+
+def decay_matrices(weight_decay: float) -> optax.GradientTransformation:
+    """`optax.add_decayed_weights` for parameters of 2 or more dimensions: norm scales, biases and the value
+    head's vector are not decayed (as nanoGPT and transformers' Trainer do). Stateless, so the optimizer
+    state is `optax.adamw`'s and checkpoints saved with it restore (an `optax.masked` would add a level)."""
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight decay needs the parameters: call update(updates, state, params)")
+        return jax.tree.map(lambda u, p: u + weight_decay * p if p.ndim >= 2 else u, updates, params), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def init_critic(policy: Policy) -> Critic:

@@ -155,6 +155,24 @@ def test_warmup_ramps_the_learning_rate_from_the_first_update():
     np.testing.assert_allclose(-np.asarray(updates["w"]), 0.1, rtol=1e-5)  # no warmup: the full rate at once
 
 
+def test_weight_decay_shrinks_matrices_but_not_norm_scales_or_biases():
+    """With a zero gradient only the decay moves: weight matrices and embeddings by -lr * wd * w, norm scales,
+    biases and the value head's vector not at all. The state keeps optax.adamw's structure (checkpoints saved
+    before the decay was limited restore)."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxrl.train import make_optimizer
+
+    optimizer = make_optimizer(0.1, weight_decay=0.5)
+    params = {"kernel": jnp.full((2, 3), 2.0), "scale": jnp.ones(3), "bias": jnp.float32(1.0)}
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    np.testing.assert_allclose(updates["kernel"], -0.1)
+    assert not np.any(updates["scale"]) and float(updates["bias"]) == 0.0
+    adamw = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.5))
+    assert jax.tree.structure(optimizer.init(params)) == jax.tree.structure(adamw.init(params))
+
+
 def test_remax_baseline_comes_from_the_policy_that_sampled_under_overlap(tmp_path, monkeypatch):
     """With rl.overlap, step t + 1 is sampled during step t's update by the parameters from before it; ReMax's
     greedy baseline must come from those parameters too, or each advantage compares two policies."""
