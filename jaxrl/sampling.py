@@ -205,18 +205,39 @@ def sample(
         `finish_reason` is FINISH_EOS.
 
     Raises `ValueError` before compiling for no prompts, an empty prompt, a token id outside the vocabulary (in
-    a prompt, its padding or `pad_id`; `eos_id` may be -1: never sampled), a prompt plus `max_new_tokens` beyond
-    the model's `max_position_embeddings`, or `group_size < 1`.
+    a prompt, its padding, `pad_id`, `eos_id` or `stop_sequences`; `eos_id` may be -1: never sampled), a prompt
+    plus `max_new_tokens` beyond the model's `max_position_embeddings`, or `group_size < 1`.
     """
     _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
-    stop_sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences)
+    vocab = policy.config.vocab_size
+    eos_id = _token_ids("eos_id", eos_id, vocab, allow_never=True)
+    stop_sequences = tuple(_token_ids(f"stop_sequences[{i}]", _sequence(f"stop_sequences[{i}]", seq), vocab,
+                                      allow_never=False)
+                           for i, seq in enumerate(_sequence("stop_sequences", stop_sequences)))
     if any(not seq for seq in stop_sequences):
         raise ValueError("stop_sequences: every stop sequence needs at least one token id")
-    if not 0 <= pad_id < policy.config.vocab_size:  # fed back after a completion ends: beyond the table, NaN
-        raise ValueError(f"pad_id: token id {pad_id} is outside the model's vocabulary "
-                         f"[0, {policy.config.vocab_size})")
+    if not 0 <= pad_id < vocab:  # fed back after a completion ends: beyond the table, NaN
+        raise ValueError(f"pad_id: token id {pad_id} is outside the model's vocabulary [0, {vocab})")
     return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
                    group_size=group_size, stop_sequences=stop_sequences)
+
+
+def _sequence(name: str, value) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name}: expected a sequence of token ids, got {value!r}")
+    return tuple(value)
+
+
+def _token_ids(name: str, value, vocab_size: int, allow_never: bool) -> int | tuple[int, ...]:
+    """`value` (an id or a sequence of ids) as a hashable static argument, each id checked to be a token of
+    the model (or -1, "never", where `allow_never`): a stop id beyond the vocabulary would never stop."""
+    ids = (value,) if isinstance(value, (int, np.integer)) else _sequence(name, value)
+    for token in ids:
+        if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+            raise ValueError(f"{name}: token ids must be integers, got {token!r}")
+        if not (0 <= token < vocab_size or (allow_never and token == -1)):
+            raise ValueError(f"{name}: token id {token} is outside the model's vocabulary [0, {vocab_size})")
+    return int(value) if isinstance(value, (int, np.integer)) else tuple(int(t) for t in ids)
 
 
 def compiled_programs() -> int:

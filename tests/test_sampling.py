@@ -171,6 +171,32 @@ def test_bad_lengths_and_settings():
         sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), EOS, CONFIG.vocab_size)
 
 
+@pytest.mark.parametrize("eos_id, stop_sequences, match", [
+    (CONFIG.vocab_size, (), r"eos_id: token id 24 is outside the model's vocabulary \[0, 24\)"),  # never stops
+    ((EOS, -2), (), "eos_id: token id -2 is outside"),
+    ("2", (), "eos_id: expected a sequence of token ids, got '2'"),
+    (EOS, (5, 6), r"stop_sequences\[0\]: expected a sequence of token ids, got 5"),  # not ((5, 6),)
+    (EOS, (("a",),), r"stop_sequences\[0\]: token ids must be integers, got 'a'"),
+    (EOS, ((5, 24),), r"stop_sequences\[0\]: token id 24 is outside"),
+    (EOS, ((5,), (-1,)), r"stop_sequences\[1\]: token id -1 is outside"),
+])
+def test_bad_stop_ids_stop_before_compiling(eos_id, stop_sequences, match):
+    tokens, valid = _prompts()
+    before = _sample._cache_size()
+    with pytest.raises(ValueError, match=match):
+        sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), eos_id, PAD,
+               stop_sequences=stop_sequences)
+    assert _sample._cache_size() == before
+
+
+def test_stop_ids_given_as_lists_are_the_tuples():
+    policy, (tokens, valid) = models.init(CONFIG, 0), _prompts()
+    args = (policy, tokens, valid, jax.random.key(3), SamplingConfig(4))
+    as_lists = sample(*args, [EOS, 5], PAD, stop_sequences=[[7, 8]])
+    as_tuples = sample(*args, (EOS, 5), PAD, stop_sequences=((7, 8),))
+    np.testing.assert_array_equal(as_lists.tokens, as_tuples.tokens)
+
+
 def test_a_long_run_with_varying_prompt_lengths_compiles_few_sampler_programs(tmp_path):
     """200 RL steps on prompts of 2 to 6 operations: the sampler compiles a handful of programs (prompts are
     padded to one of `data.prompt_buckets` lengths), reported in metrics.jsonl as sampler/compiled_programs."""
