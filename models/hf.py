@@ -142,13 +142,15 @@ def from_pretrained(
       progress: a progress bar over bytes read.
 
     Raises `CheckpointError` naming the file and tensor for a missing file, an unsupported architecture, a
-    missing tensor or one of the wrong shape, before any data is read; nothing half-loaded is returned.
+    missing tensor or one of the wrong shape, before any data is read, and for a tied checkpoint that also
+    stores an `lm_head.weight` other than the embedding; nothing half-loaded is returned.
     """
     directory = os.path.expanduser(os.fspath(path))
     config = load_config(directory, dtype=dtype, compute_dtype=compute_dtype)
     template = abstract(config)
     tensors = _tensor_index(directory)
     plan = _match(template.params, tensors, config, directory)
+    stored_head = tensors.get("lm_head.weight") if config.tie_embeddings else None
     if shardings is None:
         default = NamedSharding(mesh, PartitionSpec()) if mesh is not None else jax.sharding.SingleDeviceSharding(
             jax.devices()[0])
@@ -163,6 +165,8 @@ def from_pretrained(
                 host = read_tensor(info)
             except (SafetensorsError, OSError) as e:
                 raise CheckpointError(f"{info.file}: tensor {info.name!r}: {e}") from None
+            if stored_head is not None and param_path == ("embed_tokens", "weight"):
+                _check_tied_head(host, stored_head, directory)
             if host.dtype != target.dtype:  # cast on the host: the stored copy is freed at once
                 cast = aligned_empty(host.shape, np.dtype(target.dtype))
                 np.copyto(cast, host, casting="unsafe")
@@ -175,6 +179,23 @@ def from_pretrained(
     for param_path, variable in nnx.to_flat_state(params):
         variable.set_value(loaded[tuple(param_path)])
     return Policy(template.graphdef, config, params)
+
+
+def _check_tied_head(embedding: np.ndarray, head: TensorInfo, directory: str) -> None:
+    """A tied checkpoint may store `lm_head.weight` too, but only as a copy of the embedding `[vocab, hidden]`:
+    transformers 5 leaves a model whose stored head differs untied, so ignoring that head would change the
+    logits. Compared through a memory map, a slice of rows at a time (no second copy of the table)."""
+    same = head.shape == embedding.shape
+    if same:
+        stored = np.memmap(head.file, head.dtype, "r", head.offset, head.shape)
+        rows = max(1, 2**22 // max(1, embedding[0].size))
+        same = all(np.array_equal(embedding[i:i + rows], stored[i:i + rows]) for i in range(0, len(embedding), rows))
+        del stored
+    if not same:
+        raise CheckpointError(f"{head.file}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but "
+                              f"{os.path.join(directory, 'config.json')} has tie_word_embeddings=true (transformers "
+                              "5 then uses the stored head, untied): set tie_word_embeddings to false to use it, or "
+                              "remove it to tie the head to the embedding")
 
 
 def _match(params: nnx.State, tensors: dict[str, TensorInfo], config: ModelConfig,

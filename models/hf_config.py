@@ -126,15 +126,15 @@ def _rope_scaling(params: dict | None, source: str, key: str) -> RopeScaling:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return RopeScaling()
-    if kind == "linear":
-        return RopeScaling("linear", float(params["factor"]))
-    if kind == "llama3":
-        try:
-            return RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
-                               float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
-        except KeyError as e:
-            raise ConfigError(f"{source}: {key} of type llama3 lacks {e}") from None
-    raise ConfigError(f"{source}: {key} type {kind!r} is not supported (default, linear, llama3)")
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"{source}: {key} type {kind!r} is not supported (default, linear, llama3)")
+    try:
+        if kind == "linear":
+            return RopeScaling("linear", float(params["factor"]))
+        return RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                           float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ConfigError(f"{source}: {key} of type {kind} lacks {e}") from None
 
 
 def _rope(raw: dict, family: str, source: str) -> tuple[float, RopeScaling, float | None]:

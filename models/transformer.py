@@ -284,10 +284,10 @@ class Embedding(nnx.Module):
         table = self.weight[...]
         if layout is not None:  # gather the FSDP-split hidden dimension first (as for every FSDP weight): a
             table = layout.constrain(table, ("vocab", None))  # lookup into split columns would need a reshuffle
-        x = jnp.take(table, tokens, axis=0)
-        if cfg.scale_embeddings:  # HF rounds sqrt(hidden) to the weights' dtype first
-            x = x * jnp.asarray(cfg.hidden_size**0.5, jnp.dtype(cfg.param_dtype))
-        return x.astype(jnp.dtype(cfg.dtype))
+        x = jnp.take(table, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+        if cfg.scale_embeddings:  # as HF: sqrt(hidden) rounded to the compute dtype, multiplied in it
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        return x
 
 
 # Rematerialisation (`ModelConfig.remat`) of each block when training: "none" keeps every activation for the

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from hf_fixtures import FIXTURES, tensors_of
@@ -128,6 +129,7 @@ def test_rope_scaling_overrides_rope_parameters():
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling of type linear lacks 'factor'"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "relu"}, "hidden_act='relu'"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
@@ -155,6 +157,21 @@ def test_logits_match_transformers(loaded, version, name):
     assert np.abs(np.asarray(logits) - expected["logits"])[valid].max() <= 1e-4
     if name == "gemma3":  # the fixture is longer than the sliding window, so the window is exercised
         assert expected["tokens"].shape[1] > 4 * policy.config.sliding_window
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_gemma3_scales_embeddings_in_the_compute_dtype(param_dtype):
+    """sqrt(hidden_size) is rounded to the compute dtype and multiplies the embeddings in it, as in transformers'
+    bfloat16 model: float32 master weights computing in bfloat16 embed as a bfloat16 checkpoint does."""
+    # transformers 5.24.0 computed these: AutoModelForCausalLM.from_pretrained(transformers5/gemma3,
+    # dtype=torch.bfloat16).model.embed_tokens(tokens), stored as float32.
+    expected = np.load(os.path.join(FIXTURES, "gemma3_bf16_embeddings.npz"))
+    policy = models.from_pretrained(fixture("transformers5", "gemma3"), param_dtype, compute_dtype="bfloat16",
+                                    progress=False)
+    model = nnx.merge(policy.graphdef, policy.params)
+    embedded = model.embed_tokens(jnp.asarray(expected["tokens"])[None])[0]
+    assert embedded.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(embedded, np.float32), expected["embeddings"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -400,3 +417,19 @@ def test_tied_checkpoint_with_stored_head_loads(qwen_copy):
     _rewrite(qwen_copy / "model.safetensors", reshape=("lm_head.weight", embed))
     policy = models.from_pretrained(qwen_copy, progress=False)
     assert "lm_head" not in policy.params
+
+
+def test_tied_checkpoint_with_a_different_stored_head_is_refused(qwen_copy):
+    """tie_word_embeddings=true beside a stored lm_head.weight that is not the embedding: transformers 5.24.0
+    then leaves the model untied and uses the stored head (checked: its logits differ from the tied model's by
+    more than 10), so ignoring the head would silently give other logits. Refused, naming the file and key."""
+    embed = read_tensor(read_header(qwen_copy / "model.safetensors")[0]["model.embed_tokens.weight"])
+    head = embed.copy()
+    head[5, 3] += 1.0
+    _rewrite(qwen_copy / "model.safetensors", reshape=("lm_head.weight", head))
+    with pytest.raises(CheckpointError, match=r"qwen2/model.safetensors: tensor 'lm_head.weight' differs from "
+                                              r"'model.embed_tokens.weight'.*tie_word_embeddings"):
+        models.from_pretrained(qwen_copy, progress=False)
+    _rewrite(qwen_copy / "model.safetensors", reshape=("lm_head.weight", head[:-1]))  # another shape
+    with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' differs"):
+        models.from_pretrained(qwen_copy, progress=False)
