@@ -220,7 +220,8 @@ def warm_start(policy, config: Config, generate: Generator, train_problems, writ
     state = init_train_state(policy, optimizer)
     step_fn = make_sft_step(optimizer)
     examples = arithmetic.teacher_examples(train_problems, config.task, config.seed)
-    bar = tqdm(range(config.sft.steps), desc="warm start", disable=not config.progress, dynamic_ncols=True)
+    # step n: the record of the n-th update, counted from 1 as RL's steps are
+    bar = tqdm(range(1, config.sft.steps + 1), desc="warm start", disable=not config.progress, dynamic_ncols=True)
     for step in bar:
         prompts, solutions = zip(*(next(examples) for _ in range(config.sft.batch_size)))
         tokens, prompt_valid, mask = encode_examples(generate.tokenizer, [generate.render(p) for p in prompts],
@@ -229,7 +230,7 @@ def warm_start(policy, config: Config, generate: Generator, train_problems, writ
         batch = shard_batch({"tokens": tokens, "prompt_valid": prompt_valid, "completion_mask": mask},
                             generate.mesh)
         state, metrics = step_fn(state, batch)
-        if step % 25 == 0 or step == config.sft.steps - 1:
+        if step % 25 == 0 or step in (1, config.sft.steps):
             metrics = jax.device_get(metrics)
             writer.write({"phase": "sft", "step": step, **metrics})
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
@@ -439,6 +440,9 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     layout = layout_from(config.mesh)
     mesh = layout.mesh
     check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
+    if config.rl.overlap and jax.process_count() > 1:
+        raise ValueError("rl.overlap runs the next step's sampling in a background thread, which is single-process "
+                         f"for now; this run has {jax.process_count()} processes: set rl.overlap=false")
     policy, tokenizer, tokenizer_file = _policy_and_tokenizer(config, corpus, layout)
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -738,9 +742,6 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
         resumed: tuple | None = None, critic_trunk: models.Policy | None = None):
     """RL from the warm-started `state.policy`, or from `resumed` (`_restore`'s result for `resume_step`)."""
     rl, loss_config = config.rl, config.rl.loss
-    if rl.overlap and jax.process_count() > 1:
-        raise ValueError("rl.overlap runs the next step's sampling in a background thread, which is single-process "
-                         f"for now; this run has {jax.process_count()} processes: set rl.overlap=false")
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
@@ -861,12 +862,12 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                           {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
                            "totals": dict(totals), "consecutive_skips": consecutive_skips})
 
-    if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
-        save(0, "done")
     bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
                initial=first_step - 1, total=rl.steps)
     last_accuracy = None
     try:
+        if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
+            save(0, "done")
         for step in bar:
             record: dict[str, Any] = {"phase": "rl", "step": step}
             t0 = time.perf_counter()
@@ -876,6 +877,9 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             else:  # on-policy: sample with the current parameters, score below
                 produced = rollout(step, state, next(prompts_iter), controls, ref_policy, background=False)
             iterator_after_step = prompts_iter.get_state()
+            # counted before the next step's rollout starts in the background (rl.overlap): its compilations
+            # would otherwise show here or not depending on how long this step's update takes
+            compiled = compiled_programs()
             t1 = time.perf_counter()
             problems, generation = produced.problems, produced.generation
             batch = produced.batch
@@ -970,7 +974,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
             timing = step_timing(produced.sample_s, reward_s, logprobs_s=logprobs_s, update_s=t5 - t4,
                                  idle_s=t1 - t0 if from_background else 0.0)
             record.update(timing)
-            record["sampler/compiled_programs"] = compiled_programs()
+            record["sampler/compiled_programs"] = compiled
             record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
             if config.eval.every and step % config.eval.every == 0 and step != rl.steps:
                 flush()
@@ -978,11 +982,13 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                 last_accuracy = record["eval/accuracy"]
             record["time/step_s"] = time.perf_counter() - t0
             writer.write(record)
+            # every process stops after the same step: the signal may reach them during different steps
+            stopping = bool(process_max(int(bool(preempted))))
             if step == rl.steps:
                 save(step, "done")
-            elif flush_after or preempted:
+            elif flush_after or stopping:
                 save(step, "rl")
-            if preempted:
+            if stopping:
                 checkpointer.wait()
                 preempted.restore()
                 raise Preempted(f"stopped by SIGTERM after RL step {step}; its checkpoint is in "
