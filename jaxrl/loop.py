@@ -1042,6 +1042,9 @@ def resume_point(config: Config) -> int:
     if step is None:
         raise CheckpointError(f"resume=true, but {directory} holds no checkpoint: no earlier run to resume in "
                               f"output_dir {out} (run without resume=true to start one)")
+    if step > config.rl.steps:  # nothing to run, and the final record would describe later parameters
+        raise CheckpointError(f"resume=true: the run in {out} is already past rl.steps={config.rl.steps} (its "
+                              f"newest checkpoint is after RL step {step}): set rl.steps to {step} or more")
     saved_path = os.path.join(out, "config.yaml")
     try:
         saved = configlib.load_config(Config, saved_path)

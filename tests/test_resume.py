@@ -156,10 +156,11 @@ def test_bad_resumes_name_the_problem(tmp_path):
 
     # Refused before they change anything, so they can all look at the run at once.
     records, saved_config = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
-    other_shape, other_data, other_loss = _train_side_by_side(
+    other_shape, other_data, other_loss, fewer_steps = _train_side_by_side(
         (out, "rl.steps=8", "model.hidden_size=64", "resume=true"),
         (out, "rl.steps=8", "rl.prompts_per_step=8", "task.num_train=300", "resume=true"),
-        (out, "rl.steps=8", "rl.loss.kl_coef=0", "rl.loss.entropy_target=0.5", "resume=true"))
+        (out, "rl.steps=8", "rl.loss.kl_coef=0", "rl.loss.entropy_target=0.5", "resume=true"),
+        (out, "rl.steps=3", "resume=true"))
     assert other_shape.returncode == 2
     assert "model.hidden_size: checkpoint 32, config 64" in other_shape.stderr, other_shape.stderr[-2000:]
     assert other_data.returncode == 2  # the saved data position would index another stream
@@ -168,6 +169,9 @@ def test_bad_resumes_name_the_problem(tmp_path):
     assert other_loss.returncode == 2
     assert "the checkpoint holds a reference policy" in other_loss.stderr, other_loss.stderr[-2000:]
     assert "the checkpoint lacks an adaptive entropy state" in other_loss.stderr
+    assert fewer_steps.returncode == 2  # nothing to run: the final record would describe step 4's parameters
+    assert "already past rl.steps=3 (its newest checkpoint is after RL step 4)" in fewer_steps.stderr, \
+        fewer_steps.stderr[-2000:]
     assert (out / "metrics.jsonl").read_bytes() == records and (out / "config.yaml").read_bytes() == saved_config
 
     _damage(out / "checkpoints" / "4" / "state")
