@@ -80,6 +80,8 @@ def decay_matrices(weight_decay: float) -> optax.GradientTransformation:
     head's vector are not decayed (as nanoGPT and transformers' Trainer do). Stateless, so the optimizer
     state is `optax.adamw`'s and checkpoints saved with it restore (an `optax.masked` would add a level)."""
     def update(updates, state, params=None):
+        if not weight_decay:  # nothing to add: skip a pass over every parameter
+            return updates, state
         if params is None:
             raise ValueError("weight decay needs the parameters: call update(updates, state, params)")
         return jax.tree.map(lambda u, p: u + weight_decay * p if p.ndim >= 2 else u, updates, params), state
