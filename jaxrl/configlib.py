@@ -199,7 +199,7 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
         if not isinstance(node, yaml.MappingNode):
             raise ConfigError(f"{name}:{node.start_mark.line + 1}: the top level must be a "
                               f"mapping of 'field: value' pairs, got a {node.id}")
-        return _section_from_node(node, loader, name, "", name)
+        return _section_from_node(node, loader, name, "", name, text)
     except yaml.MarkedYAMLError as e:
         mark, opened = e.problem_mark or e.context_mark, e.context_mark
         reason = _yaml_reason(e)
@@ -217,8 +217,8 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
 
 
 def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str,
-                       path: str, where: str) -> _Section:
-    """Convert a composed mapping node, rejecting duplicate keys."""
+                       path: str, where: str, text: str) -> _Section:
+    """Convert a composed mapping node (``text``: the file's), rejecting duplicate keys and comment-cut values."""
     items: dict[str, _Value | _Section] = {}
     first_line: dict[str, int] = {}
     for key_node, value_node in node.value:
@@ -232,13 +232,26 @@ def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: st
             raise _error(key_where, sub, f"duplicate key (first defined at line {first_line[key]})")
         first_line[key] = line
         if isinstance(value_node, yaml.MappingNode):
-            items[key] = _section_from_node(value_node, loader, file, sub, key_where)
+            items[key] = _section_from_node(value_node, loader, file, sub, key_where, text)
         else:
+            _reject_comment_as_value(key_node, value_node, text, key_where, sub)
             try:
                 items[key] = _Value(loader.construct_document(value_node), key_where)
             except ValueError as e:  # e.g. an impossible timestamp
                 raise _error(key_where, sub, f"invalid value: {e}") from None
     return _Section(items, where)
+
+
+def _reject_comment_as_value(key_node: yaml.Node, value_node: yaml.Node, text: str, where: str,
+                             path: str) -> None:
+    """``key: #### (.+)$`` is an empty value (null) and a comment to YAML: a value would vanish silently."""
+    if not (isinstance(value_node, yaml.ScalarNode) and value_node.style is None and value_node.value == ""):
+        return
+    rest = text[key_node.end_mark.index:].split("\n", 1)[0].lstrip(":").strip()
+    if rest.startswith("#"):
+        key = key_node.value
+        raise _error(where, path, f"YAML reads {rest!r} as a comment and the value as empty (null); quote the "
+                                  f"value, e.g. {key}: '{rest}', or write {key}: null")
 
 
 def _apply_override(tree: _Section, item: str) -> None:

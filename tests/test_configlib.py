@@ -343,6 +343,18 @@ def test_override_with_a_yaml_comment_is_an_error_not_a_silent_cut():
     assert load_config(Root, None, ["model.dropout="]).model.dropout is None
 
 
+def test_a_file_value_that_yaml_reads_as_a_comment_is_an_error_not_a_silent_null(tmp_path):
+    """In a file too, `name: #### (.+)$` is an empty value (null) followed by a comment to YAML."""
+    path = write(tmp_path, "model:\n  name: #### (.+)$\n  dropout:\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: model.name: YAML reads '#### (.+)$' as a comment",
+           "quote the value")
+    path = write(tmp_path, "model:\n  dropout:   # none\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: model.dropout", "write dropout: null")
+    path = write(tmp_path, "model:   # a comment after a section is fine\n  name: '#### (.+)$'  # so is this\n"
+                           "  dropout:\n")
+    assert load_config(Root, path).model == Model(name="#### (.+)$", dropout=None)
+
+
 def test_override_wrong_types():
     raises(lambda: load_config(Root, None, ["optim=3"]),
            "override 'optim=3': optim: expected a mapping of Optim fields, got 3 (int)")
