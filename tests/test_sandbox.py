@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
 import psutil
 import pytest
+import reward_fns
 
 import jaxrl.rewards.sandbox as sandbox
 from jaxrl.rewards.pool import RewardPool
@@ -808,3 +810,51 @@ def test_killed_worker_takes_its_sandboxed_program_with_it(tag):
     finally:
         worker.kill()
         worker.join()
+
+
+# -- the pool's workers do not outlive it ----------------------------------------------------
+
+_HUNG_POOL = """
+import sys
+sys.path.insert(0, {tests!r})
+import reward_fns
+from jaxrl.rewards.pool import RewardPool
+pool = RewardPool(reward_fns.chaos, num_workers=1, timeout_s=60.0)
+pool.score(["a"], ["a"])
+print(pool._workers[0].process.pid, flush=True)
+pool.score(["hang"], [""])
+"""
+
+
+def test_busy_worker_dies_with_a_killed_parent():
+    # A parent SIGKILLed (OOM killer, a crash) while a worker hung on an item left that worker spinning forever.
+    parent = subprocess.Popen([sys.executable, "-c", _HUNG_POOL.format(tests=os.path.dirname(__file__))],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(0.2)  # the worker is now in the hanging item
+        parent.kill()
+        parent.wait()
+        assert _wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 2.0), \
+            "the pool's worker outlived its parent"
+    finally:
+        parent.kill()
+        if worker is not None and worker.is_running():
+            worker.kill()
+
+
+def test_workers_survive_the_thread_that_started_them():
+    # Workers die with their parent thread (see above): the pool starts them on a thread of its own, so that
+    # scoring from a short-lived thread (a rollout executor) does not kill them when that thread ends.
+    with RewardPool(reward_fns.exact_match, num_workers=1, timeout_s=5.0) as pool:
+        results = []
+        scorer = threading.Thread(target=lambda: results.append(pool.score(["1"], ["1"])))
+        scorer.start()
+        scorer.join()
+        pid = pool._workers[0].process.pid
+        time.sleep(0.2)
+        result = pool.score(["1", "2"], ["1", "3"])
+        assert pool._workers[0].process.pid == pid, "the worker died with the thread that started it"
+    assert results[0].rewards.tolist() == [1.0] and result.rewards.tolist() == [1.0, 0.0]
+    assert (result.errors, result.timeouts) == (0, 0)

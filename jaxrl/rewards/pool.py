@@ -28,6 +28,9 @@ that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
   instead of ``ceil(N / num_workers) * timeout_s``.
 
 Workers start lazily on the first ``score()`` and are reused across calls.
+They die with the pool: the kernel SIGKILLs each one when the pool's own
+spawning thread ends (``close()``, or the parent dying in any way, SIGKILL
+included), so a worker hung on an item never outlives a crashed trainer.
 The pool is not thread-safe: call ``score()`` from one thread at a time.
 
 Example::
@@ -45,13 +48,17 @@ import math
 import multiprocessing
 import numbers
 import pickle
+import os
 import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 
 import numpy as np
+
+from jaxrl.rewards.sandbox_child import die_with_parent
 
 __all__ = ["RewardPool", "RewardResult", "item_deadline"]
 
@@ -115,16 +122,23 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated
 
 
-def _worker_main(conn, reward_fn: Callable[[str, str], float]) -> None:
+def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) -> None:
     """Worker loop: recv ``(index, completion, reference, budget_s)``, send ``(index, ok, value)``.
 
     ``value`` is the float reward when ``ok`` else a short error string. A
     ``None`` message (or a closed pipe) ends the loop, and so does SIGTERM,
-    after unwinding the reward function.
+    after unwinding the reward function. The worker is SIGKILLed when the thread
+    that started it ends: a closed pipe is only noticed between items.
     """
     global _item_deadline
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
     signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        die_with_parent()
+    except OSError:
+        pass  # no parent-death signal: the worker ends at the next item instead
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        return
     try:
         warm_up = getattr(reward_fn, "warm_up", None)
         if callable(warm_up):  # before "ready": slow first imports are not charged to an item's timeout
@@ -190,7 +204,7 @@ class _Worker:
     def __init__(self, ctx, reward_fn: Callable[[str, str], float]):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, reward_fn), daemon=True, name="reward-worker"
+            target=_worker_main, args=(child_conn, reward_fn, os.getpid()), daemon=True, name="reward-worker"
         )
         self.process.start()
         child_conn.close()
@@ -283,6 +297,9 @@ class RewardPool:
         self.batch_timeout_s = None if batch_timeout_s is None else float(batch_timeout_s)
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
+        # Workers die with the thread that started them (see _worker_main): start them all on this one,
+        # which lives as long as the pool, not on whichever thread (perhaps short-lived) calls score().
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-pool-spawner")
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -306,10 +323,14 @@ class RewardPool:
         for w in workers:
             w.process.join(0.5 if w.index is None else 0)
             w.kill()
+        self._spawner.shutdown()
+
+    def _new_worker(self) -> _Worker:
+        return self._spawner.submit(_Worker, self._ctx, self.reward_fn).result()
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self.reward_fn)
+        self._workers[self._workers.index(w)] = self._new_worker()
 
     # -- scoring ---------------------------------------------------------------
 
@@ -340,7 +361,7 @@ class RewardPool:
                 self._replace(w)
         if n:
             while len(self._workers) < self.num_workers:
-                self._workers.append(_Worker(self._ctx, self.reward_fn))
+                self._workers.append(self._new_worker())
 
         # Hard deadline of the whole call (batch_timeout_s); set once a worker is ready.
         batch_deadline = math.inf

@@ -120,7 +120,7 @@ def hidden_ancestor(path: str) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Have the kernel SIGKILL this process when the thread that forked it exits (Linux; else a no-op).
 
     fork() and a change of uid clear the setting, so each process arms its own, after any uid change.
@@ -258,7 +258,7 @@ class Confinement:
             if pid:
                 _wait_and_mirror(pid, reap_all=False, keep_fd=lifeline_w)  # P
             os.close(lifeline_w)
-            _die_with_parent()
+            die_with_parent()
             if _at_eof(lifeline_r):  # P died before G armed its signal
                 os._exit(SETUP_FAILED)
             os.close(lifeline_r)
@@ -294,7 +294,7 @@ class Confinement:
 
     def _die_with_caller(self) -> None:
         """Die with the caller's thread that started us; exit if it is already gone."""
-        _die_with_parent()
+        die_with_parent()
         if os.getppid() != self.parent_pid:
             os._exit(SETUP_FAILED)
 
