@@ -266,6 +266,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
             raise ValueError(f"{name} must be >= 1, got {value}")
     if sequences % micro_batches:
         raise ValueError(f"sequences ({sequences}) must be divisible by micro_batches ({micro_batches})")
+    if peak_tflops is not None and not 0 < peak_tflops < float("inf"):  # else MFU divides by 0, or is NaN
+        raise ValueError(f"peak_tflops must be a positive number, got {peak_tflops}")
     import dataclasses
 
     from jaxrl.sharding import make_mesh, shard_batch

@@ -102,6 +102,14 @@ def test_bench_train_remat_bf16_and_mfu():
     assert result["mfu"] == pytest.approx(result["model_tflops_per_s"])
 
 
+@pytest.mark.parametrize("peak", ["0", "-3", "nan", "inf"])
+def test_bench_train_rejects_a_peak_that_gives_no_mfu_before_running(capsys, peak):
+    """0 divided by zero after the whole run (a traceback); nan printed `"mfu": NaN`, which is not JSON."""
+    assert cli.main(["bench", "train", "--preset", "tiny", "--repeats", "1", "--peak-tflops", peak]) == 2
+    captured = capsys.readouterr()
+    assert "peak_tflops must be a positive number" in captured.err and not captured.out
+
+
 def _profile_decode():
     """`benchmarks/profile_decode.py` as a module (benchmarks/ is not a package)."""
     import importlib.util
