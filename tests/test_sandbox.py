@@ -89,6 +89,13 @@ def test_extract_code():
     assert extract_code(None) is None
 
 
+def test_extract_code_from_an_indented_fence():
+    # A fence inside a list item indents every line of the code: run as is, it was an IndentationError.
+    listed = "Steps:\n1. Square the input:\n   ```python\n   n = int(input())\n   if n:\n       print(n * n)\n   ```\n"
+    assert extract_code(listed) == "n = int(input())\nif n:\n    print(n * n)\n"
+    assert code_reward(listed, _reference([{"input": "3\n", "output": "9\n"}])) == 1.0
+
+
 # -- scoring -------------------------------------------------------------------
 
 

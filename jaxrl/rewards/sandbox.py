@@ -146,6 +146,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 
@@ -222,13 +223,17 @@ _PYTHON_TAGS = {"python", "py", "python3"}
 
 def extract_code(completion: str) -> str | None:
     """The last closed fenced block tagged ``python`` (``py``, ``python3``); without one, the last untagged
-    block (an untagged block after tagged code is usually its example output); None if absent."""
+    block (an untagged block after tagged code is usually its example output); None if absent.
+
+    The block is dedented: a fence indented inside a list item indents every line of its code.
+    """
     if not isinstance(completion, str):
         return None
     blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(completion)]
     tagged = [code for tag, code in blocks if tag in _PYTHON_TAGS]
     untagged = [code for tag, code in blocks if not tag]
-    return (tagged or untagged or [None])[-1]
+    code = (tagged or untagged or [None])[-1]
+    return None if code is None else textwrap.dedent(code)
 
 
 # -- the assert harness ------------------------------------------------------
