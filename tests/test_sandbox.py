@@ -590,6 +590,24 @@ def test_sysv_ipc_objects_do_not_outlive_the_run():
                 subprocess.run(["ipcrm", flag, str(key)], check=False, capture_output=True)
 
 
+def test_sysv_shared_memory_cannot_pile_up_past_the_memory_limit():
+    # A segment outlived its detach, so attach, fill, detach, repeat held any amount of RAM in one run
+    # (600 MB with memory_mb=128; enough segments take the host down). Now a segment goes with its last detach.
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmat.restype = ctypes.c_void_p\n"
+        "for _ in range(3):\n"
+        "    sid = libc.shmget(0, ctypes.c_size_t(40 << 20), 0o1000 | 0o600)\n"
+        "    addr = libc.shmat(sid, None, 0)\n"
+        "    ctypes.memset(addr, 1, 40 << 20)\n"
+        "    libc.shmdt(ctypes.c_void_p(addr))\n"
+        "print(len(open('/proc/sysvipc/shm').readlines()) - 1)\n"
+    )
+    status, out, err = run_program(code, "", SandboxLimits(wall_time_s=5.0, memory_mb=96))
+    assert (status, out) == ("ok", "0\n"), (status, out, err)
+
+
 def _interpreter_for(uid: int) -> str | None:
     """A Python >= 3.8 that ``uid`` can run (the base interpreter may be under /root), or None."""
     from jaxrl.rewards.sandbox_child import hidden_ancestor

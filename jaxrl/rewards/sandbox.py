@@ -74,7 +74,9 @@ without capabilities, so it cannot unmount what hides the host, see
   process group die;
 * IPC: System V shared memory, message queues and semaphores (and POSIX
   message queues) the program creates vanish with the namespace instead of
-  outliving the run (memory is freed asynchronously, within a fraction of a second).
+  outliving the run (memory is freed asynchronously, within a fraction of a second), and a shared memory
+  segment is destroyed at its last detach (``shm_rmid_forced``), so that detached segments, which
+  RLIMIT_AS does not count, cannot pile up.
 
 Known gaps (honest list):
 

@@ -184,6 +184,18 @@ def _forbid_new_processes() -> bool:
     return libc.prctl(_PR_SET_SECCOMP, mode, ctypes.byref(fprog), zero, zero) == 0
 
 
+def _forbid_detached_shm() -> None:
+    """In this (fresh) IPC namespace, destroy a System V shared memory segment at its last detach.
+
+    A segment outlives its detach, and RLIMIT_AS counts only attached ones: attach, fill, detach, repeat
+    held any amount of RAM. Best effort: where the sysctl is not writable, segments still go with the namespace.
+    """
+    try:
+        _write("/proc/sys/kernel/shm_rmid_forced", "1")
+    except OSError:
+        pass
+
+
 def _at_eof(fd: int) -> bool:
     """Whether reading the pipe ``fd`` gives EOF now (every write end is closed)."""
     os.set_blocking(fd, False)
@@ -251,6 +263,8 @@ class Confinement:
         got = set()
         if self.namespaces and (self.is_root or self._enter_user_namespace()):
             got = {name for name in self.namespaces if _unshare(_NAMESPACE_FLAGS[name])}
+        if "ipc" in got:
+            _forbid_detached_shm()
         self._die_with_caller()
         if "pid" in got:
             lifeline_r, lifeline_w = os.pipe()  # EOF for G once P is gone
