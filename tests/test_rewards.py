@@ -40,6 +40,14 @@ EXTRACT_CASES = [
     (r"\boxed{1} then \boxed{2", "1"),
     (r"\boxed{\{1,2\}}", r"\{1,2\}"),
     (r"\boxed{}", None),
+    # a blank box (an echoed "within \boxed{}") is skipped, not the end of the search
+    (r"So \boxed{42}. (I put the final answer within \boxed{}, as asked in step 3.)", "42"),
+    (r"\boxed{7}, and part 2: \boxed{ }", "7"),
+    # a brace-less box holds one number- or LaTeX-like token; prose naming the command is no box
+    (r"so $\boxed 12$ (checked 2 ways)", "12"),
+    (r"\boxed{5} or, with the other sign, \boxed -7.", "-7"),
+    (r"\boxed\frac12 it is", r"\frac12"),
+    (r"write it in \boxed form: 5", "5"),
     # answer tags beat everything, last complete pair wins
     ("<answer> 17 </answer>", "17"),
     ("<answer>1</answer><answer>2</answer> \\boxed{4}", "2"),

@@ -54,7 +54,11 @@ MAX_POWER_HEIGHT = 3
 
 _ANSWER_OPEN_RE = re.compile(r"<answer>", re.IGNORECASE)
 _ANSWER_CLOSE_RE = re.compile(r"</answer>", re.IGNORECASE)
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
+# Group 1 is the "{" of a braced box; without it the box holds one token ("\\boxed 12").
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*(\{)?")
+# The token of a brace-less box: number- or LaTeX-like only (prose naming the command, "in \\boxed form", is
+# no answer), and never past the next box, so that many brace-less boxes stay linear.
+_BARE_BOX_TOKEN_RE = re.compile(r"(?!\\(?:boxed|fbox))[-+.(\[\\0-9](?:(?!\\(?:boxed|fbox))[^\s$])*")
 # Escaped braces (``\{``, ``\}``) are literal characters, not groups.
 _BRACE_RE = re.compile(r"\\[{}]|[{}]")
 _THE_ANSWER_RE = re.compile(
@@ -104,18 +108,20 @@ def _answer_tag(text: str) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` whose braces balance.
+    """Content of the last non-blank ``\\boxed{...}``/``\\fbox{...}`` whose braces balance, or the token of a
+    brace-less ``\\boxed 12``; blank boxes (``\\boxed{}`` echoing an instruction) are skipped.
 
     One linear pass with an explicit stack: no regex recursion, no Python
     recursion, so 10k nested braces or 1 MB of ``{`` are fine.
     """
-    starts = [m.end() - 1 for m in _BOXED_RE.finditer(text)]  # positions of "{"
-    if not starts:
+    boxes = list(_BOXED_RE.finditer(text))
+    if not boxes:
         return None
+    starts = [m.start(1) for m in boxes if m.group(1)]  # positions of "{"
     wanted = set(starts)
     close_of: dict[int, int] = {}
     stack: list[int] = []
-    for m in _BRACE_RE.finditer(text, starts[0]):
+    for m in _BRACE_RE.finditer(text, starts[0] if starts else len(text)):
         tok = m.group()
         if tok == "{":
             # Only remember positions we care about; -1 keeps the stack cheap.
@@ -124,10 +130,15 @@ def _last_boxed(text: str) -> str | None:
             opened = stack.pop()
             if opened >= 0:
                 close_of[opened] = m.start()
-    for start in reversed(starts):
-        end = close_of.get(start)
-        if end is not None:
-            return text[start + 1 : end]
+    for box in reversed(boxes):
+        if box.group(1):
+            end = close_of.get(box.start(1))
+            content = None if end is None else text[box.start(1) + 1 : end]
+        else:
+            token = _BARE_BOX_TOKEN_RE.match(text, box.end())
+            content = None if token is None else token.group().rstrip(",;:")
+        if _clean(content) is not None:  # blank boxes hold no answer (disjoint, so this stays linear)
+            return content
     return None
 
 
