@@ -115,6 +115,11 @@ NORMALIZE_CASES = [
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}"),
     (r"\cfrac{1}{2}", r"\frac{1}{2}"),
     ("2 1/2", r"\frac{5}{2}"),
+    # ~ (LaTeX's non-breaking space), \quad and \qquad are spacing too
+    (r"5~\text{cm}", "5"),
+    ("1~000", "1000"),
+    (r"5\quad\text{cm}", "5"),
+    (r"x = \qquad 5", "5"),
 ]
 
 

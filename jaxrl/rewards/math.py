@@ -202,11 +202,12 @@ _UNICODE_MAP = str.maketrans(
         "\u00a0": " ",
         "\u2009": " ",
         "\u202f": " ",
+        "~": " ",  # LaTeX's non-breaking space: 5~\text{cm}, 1~000
     }
 )
 # Not the "\\" of a matrix row break followed by a space. Math delimiters \( \) \[ \] go as well.
 _LATEX_SPACING_RE = re.compile(
-    r"\\(?:left|right|displaystyle)(?![A-Za-z])|(?<!\\)\\[!,;: ]|(?<!\\)\\[()\[\]]")
+    r"\\(?:left|right|displaystyle|quad|qquad)(?![A-Za-z])|(?<!\\)\\[!,;: ]|(?<!\\)\\[()\[\]]")
 _DEGREES_RE = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?")  # no two adjacent \s*: linear
 _TEXT_RE = re.compile(
     r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}"
