@@ -370,6 +370,19 @@ def test_launcher_arguments_are_checked():
         sandbox_child.parse_args(argv[5:])  # no program
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("wall_time_s", 0), ("cpu_time_s", -1.0), ("wall_time_s", float("nan")), ("memory_mb", 0),
+     ("memory_mb", 1.5), ("file_size_mb", -1), ("max_processes", True), ("max_output_bytes", "64k"),
+     ("isolate_network", "no")],
+)
+def test_bad_limits_are_refused_by_name(field, value):
+    # memory_mb=0 failed every run as "runtime_error" (a correct program scored 0), cpu_time_s=-1 ran with 1 s.
+    with pytest.raises(ValueError, match=f"SandboxLimits.{field} must be"):
+        SandboxLimits(**{field: value})
+    assert SandboxLimits(max_processes=0, file_size_mb=0, wall_time_s=1).wall_time_s == 1
+
+
 def test_huge_output_is_capped():
     limits = SandboxLimits(wall_time_s=5.0, max_output_bytes=1000)
     for code in ("print('x' * 10**8)\n", "while True:\n    print('x' * 1000)\n"):

@@ -191,6 +191,20 @@ class SandboxLimits:
     max_output_bytes: int = 65536
     isolate_network: bool = True  # fresh network namespace when the OS permits
 
+    def __post_init__(self):
+        # A bad limit otherwise made every run fail like a bad program (memory_mb=0: "runtime_error",
+        # all rewards 0) or was quietly changed (cpu_time_s=-1 ran with 1 s).
+        for name, least in (("wall_time_s", 0), ("cpu_time_s", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least < value < math.inf:
+                raise ValueError(f"SandboxLimits.{name} must be a finite number > {least}, got {value!r}")
+        for name, least in (("memory_mb", 1), ("file_size_mb", 0), ("max_processes", 0), ("max_output_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SandboxLimits.{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.isolate_network, bool):
+            raise ValueError(f"SandboxLimits.isolate_network must be a bool, got {self.isolate_network!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
