@@ -120,6 +120,11 @@ NORMALIZE_CASES = [
     ("1~000", "1000"),
     (r"5\quad\text{cm}", "5"),
     (r"x = \qquad 5", "5"),
+    # \degree and \textdegree are degrees too; a Celsius/Fahrenheit letter after a degree sign is its unit
+    (r"90\degree", "90"),
+    (r"90^\circ C", "90"),
+    ("77\u00b0F", "77"),
+    (r"30^{\circ}\text{F}", "30"),
 ]
 
 

@@ -198,7 +198,7 @@ _UNICODE_MAP = str.maketrans(
         "\u00f7": r"\div ",
         "\u03c0": r"\pi ",
         "\u221e": r"\infty ",
-        "\u00b0": "",  # degree sign
+        "\u00b0": r"^\circ",  # degree sign: 90°C goes with _DEGREES_RE
         "\u00a0": " ",
         "\u2009": " ",
         "\u202f": " ",
@@ -208,7 +208,10 @@ _UNICODE_MAP = str.maketrans(
 # Not the "\\" of a matrix row break followed by a space. Math delimiters \( \) \[ \] go as well.
 _LATEX_SPACING_RE = re.compile(
     r"\\(?:left|right|displaystyle|quad|qquad)(?![A-Za-z])|(?<!\\)\\[!,;: ]|(?<!\\)\\[()\[\]]")
-_DEGREES_RE = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?")  # no two adjacent \s*: linear
+# ^\circ, ^{\circ}, \degree, \textdegree and a Celsius/Fahrenheit letter after them. Every \s* ends at a
+# required character (or the match) before the next starts: linear on long blank runs.
+_DEGREES_RE = re.compile(
+    r"(?:\^\s*(?:\{\s*)?\\circ(?:\s*\})?|\\(?:text)?degree(?![A-Za-z]))(?:\s*[CF](?![A-Za-z0-9]))?")
 _TEXT_RE = re.compile(
     r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}"
 )
@@ -297,7 +300,7 @@ def normalize_answer(s: str) -> str:
     ``\\text{...}`` unit wrappers, plain unit words after a number (``5 cm``,
     ``40 percent``; never words that change the value: ``12 squared``, ``5 or
     more``, ``4 Pi`` stay, and a leading scale word multiplies: ``5 million`` ->
-    ``5000000``), degrees (``^\\circ``), percent signs, trailing
+    ``5000000``), degrees (``^\\circ``, ``\\degree``, and a C or F after them), percent signs, trailing
     periods, thousands separators (``1,234`` but not ``(1,2)`` or the list ``2, 100``) and a leading
     single-variable assignment (``x=5`` -> ``5``); maps ``\\dfrac``/``\\tfrac``/``\\cfrac`` to
     ``\\frac``, expands ``\\frac12``/``\\sqrt2`` shorthands, reads a repeating decimal (``0.\\overline{3}``
