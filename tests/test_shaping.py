@@ -119,6 +119,15 @@ def test_length_penalty():
         length_penalty(np.array([1]), target_length=0, coef=1.0)
 
 
+@pytest.mark.parametrize("target_length, coef, field", [
+    (float("nan"), 1.0, "target_length"), (100, float("inf"), "coef"), (100, float("nan"), "coef")])
+def test_length_penalty_refuses_what_would_give_nan(target_length, coef, field):
+    # Each gave NaN penalties (inf * 0 excess, comparisons with NaN), which compose only reported later as
+    # non-finite values of the "length" component.
+    with pytest.raises(ValueError, match=field):
+        length_penalty(np.array([10, 200]), target_length=target_length, coef=coef)
+
+
 # ---------------------------------------------------------------------------
 # compose
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ float32 arrays of shape `[N]`; lengths are token counts (any integer or float ar
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -84,9 +85,14 @@ def truncation_mask(finish_reason: np.ndarray, length_finish: int = 1) -> np.nda
 
 
 def length_penalty(lengths: np.ndarray, target_length: int, coef: float) -> np.ndarray:
-    """float32 `[N]`: `-coef * max(0, L - target_length) / target_length` (0 up to the target)."""
-    if target_length <= 0:
-        raise ValueError(f"target_length must be > 0, got {target_length}")
+    """float32 `[N]`: `-coef * max(0, L - target_length) / target_length` (0 up to the target).
+
+    Raises ValueError unless `target_length > 0` and `coef` is finite (an infinite one makes 0 excess NaN).
+    """
+    if not target_length > 0:  # NaN too
+        raise ValueError(f"length penalty target_length must be > 0, got {target_length}")
+    if not math.isfinite(coef):
+        raise ValueError(f"length penalty coef must be finite, got {coef}")
     excess = np.maximum(0.0, np.asarray(lengths, dtype=np.float64) - target_length)
     return (-coef * excess / target_length).astype(np.float32)
 
