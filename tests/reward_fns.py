@@ -49,6 +49,13 @@ def flaky_arithmetic(completion: str, reference: str) -> float:
 _calls = 0
 
 
+def numpy_match(completion: str, reference: str):
+    """Exact match as numpy computes it: an ``np.bool_``, which is no ``numbers.Real``."""
+    import numpy as np
+
+    return np.asarray(completion.strip()) == reference.strip()
+
+
 def length_parity(completion: str, reference: str) -> float:
     """1.0 for completions of even length: a reward with variance inside every group of samples, so that
     smoke tests see non-zero advantages even from an untrained policy."""

@@ -882,6 +882,13 @@ def test_busy_worker_dies_with_a_killed_parent():
             worker.kill()
 
 
+def test_numpy_bool_rewards_are_numbers():
+    # `return np.isclose(...)` and the like give an np.bool_: every item scored 0 as an error.
+    with RewardPool(reward_fns.numpy_match, num_workers=1, timeout_s=5.0) as pool:
+        result = pool.score(["1", "2"], ["1", "3"])
+    assert result.rewards.tolist() == [1.0, 0.0] and result.errors == 0
+
+
 def test_workers_survive_the_thread_that_started_them():
     # Workers die with their parent thread (see above): the pool starts them on a thread of its own, so that
     # scoring from a short-lived thread (a rollout executor) does not kill them when that thread ends.

@@ -155,7 +155,7 @@ def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) 
             _item_deadline = time.monotonic() + budget_s
             try:
                 value = reward_fn(completion, reference)
-                if not isinstance(value, numbers.Real):
+                if not isinstance(value, (numbers.Real, np.bool_)):  # np.bool_ is no numbers.Real
                     raise TypeError(f"reward_fn returned {type(value).__name__}, not a number")
                 value = float(value)
                 if not math.isfinite(value):
