@@ -101,7 +101,9 @@ Known gaps (honest list):
   a program that forks (in an IO test) can hold up to ``memory_mb`` x ``max_processes`` (16 GiB
   with the defaults). Lower ``max_processes`` where that matters; RLIMIT_NPROC
   counts the processes of the uid the program runs as (every concurrent run's as
-  "nobody").
+  "nobody"). Nor does RLIMIT_AS count memory held in files that are not mapped: each
+  process can keep 256 ``memfd_create`` files (RLIMIT_NOFILE) of up to ``file_size_mb``
+  (RLIMIT_FSIZE), 1 GiB with the defaults, on top of ``memory_mb``.
 * Without a mount namespace the program's files land in the sandbox dir on the
   host disk, bounded only per file by RLIMIT_FSIZE.
 * An interpreter under a directory "nobody" cannot enter (pyenv in ``/root``)
