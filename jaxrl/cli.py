@@ -41,7 +41,7 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingDiverged as e:
         print(f"jaxrl: training stopped: {e}", file=sys.stderr)
         return 3
-    except ValueError as e:  # settings that the devices or data contradict (mesh size, batch divisibility, ...)
+    except (ValueError, OSError) as e:  # what devices, data or disk contradict: mesh size, an unwritable output_dir
         logging.getLogger("jaxrl").debug("run stopped", exc_info=True)
         print(f"jaxrl: error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     try:
         result = evaluate_checkpoint(config, checkpoints[0])
-    except (CheckpointError, DataError, ValueError) as e:
+    except (CheckpointError, DataError, ValueError, OSError) as e:
         print(f"jaxrl: eval error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))

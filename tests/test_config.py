@@ -108,3 +108,19 @@ def test_dumped_recipe_loads_back_and_takes_another_preset_like_the_recipe(tmp_p
     gspo = load_config(Config, dumped, ["rl.loss.preset=gspo"]).rl.loss
     assert (gspo.ratio, gspo.clip_eps_low, gspo.aggregation) == ("sequence", 3e-4, "seq-mean-token-mean")
     assert gspo.clip_eps_high == (0.5 if "rl.loss.clip_eps_high=0.5" in changes else 4e-4)
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_file_system_error_of_the_run_is_a_message_and_exit_2_not_a_traceback(tmp_path, capsys, monkeypatch,
+                                                                                  command):
+    """E.g. `output_dir=/etc/passwd/run`: os.makedirs raises NotADirectoryError (an OSError, no ValueError)."""
+    from jaxrl import loop
+
+    def refuse(*args, **kwargs):
+        raise NotADirectoryError(20, "Not a directory", "/etc/passwd/run")
+
+    monkeypatch.setattr(loop, "run", refuse)
+    monkeypatch.setattr(loop, "evaluate_checkpoint", refuse)
+    extra = ["checkpoint=runs/default"] if command == "eval" else []
+    assert cli.main([command, str(RECIPES[0].parent / "default.yaml"), *extra]) == 2
+    assert "Not a directory: '/etc/passwd/run'" in capsys.readouterr().err
