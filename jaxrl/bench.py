@@ -353,9 +353,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Handler of `jaxrl bench train`: one JSON line, then a markdown table. Bad arguments -> exit 2."""
     try:
-        mesh = tuple(int(size) for size in args.mesh.split(","))
+        try:
+            mesh = tuple(int(size) for size in args.mesh.split(","))
+        except ValueError:
+            mesh = ()
         if len(mesh) != 3:
-            raise ValueError(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor")
+            raise ValueError(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor, e.g. 1,-1,1")
         r = bench_train(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
                         completion_len=args.completion_len, micro_batches=args.micro_batches,
                         repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,

@@ -102,6 +102,12 @@ def test_bench_train_remat_bf16_and_mfu():
     assert result["mfu"] == pytest.approx(result["model_tflops_per_s"])
 
 
+@pytest.mark.parametrize("mesh", ["1,x,1", "1,1,1,", ""])
+def test_bench_train_a_malformed_mesh_is_named(capsys, mesh):
+    assert cli.main(["bench", "train", "--preset", "tiny", "--mesh", mesh]) == 2
+    assert f"--mesh {mesh!r}: expected three sizes" in capsys.readouterr().err  # not int()'s "invalid literal"
+
+
 @pytest.mark.parametrize("peak", ["0", "-3", "nan", "inf"])
 def test_bench_train_rejects_a_peak_that_gives_no_mfu_before_running(capsys, peak):
     """0 divided by zero after the whole run (a traceback); nan printed `"mfu": NaN`, which is not JSON."""
