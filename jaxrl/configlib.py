@@ -365,8 +365,11 @@ def _convert(tp, entry: _Value | _Section, path: str, current):
     inner, _ = _unwrap_optional(tp)
     if isinstance(entry, _Section):
         if not _is_dataclass_type(inner):
-            hint = (f"; YAML reads braces or 'key: value' as a mapping: quote the value, e.g. \"{path}='...'\" "
-                    "in the shell") if inner is str else ""
+            hint = ""
+            if inner is str:
+                quoted = (f"\"{path}='...'\" in the shell" if entry.where.startswith("override")
+                          else f"{path.rpartition('.')[2]}: '...' in the file")
+                hint = f"; YAML reads braces or 'key: value' as a mapping: quote the value, e.g. {quoted}"
             raise _error(entry.where, path, f"expected {_describe(tp)}, got a mapping{hint}")
         return _merge(current if isinstance(current, inner) else inner(), entry, path)
     return _coerce(tp, entry.value, path, entry.where)

@@ -233,6 +233,13 @@ def test_mapping_for_scalar_and_scalar_for_section(tmp_path):
            ":2: optim: expected a mapping of Optim fields, got 3 (int)")
 
 
+def test_braces_for_a_string_hint_at_quoting_where_the_value_was_written(tmp_path):
+    msg = raises(lambda: load_config(Root, write(tmp_path, "model:\n  name: {big}\n")),
+                 ":2: model.name: expected a str, got a mapping", "quote the value, e.g. name: '...' in the file")
+    assert "shell" not in msg
+    raises(lambda: load_config(Root, None, ["model.name={big}"]), "e.g. \"model.name='...'\" in the shell")
+
+
 def test_literal_outside_choices(tmp_path):
     path = write(tmp_path, "optim:\n  schedule: linear\n")
     raises(lambda: load_config(Root, path),
