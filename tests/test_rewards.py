@@ -62,6 +62,9 @@ EXTRACT_CASES = [
     ("THE FINAL ANSWER IS 12. Thanks!", "12"),
     (r"Answer: $\frac{3}{4}$", r"\frac{3}{4}"),
     ("The answer is **42**.", "42"),
+    # Minerva's format: a marker right after the marker also introduces the answer
+    ("Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.", r"\frac{1}{2}"),
+    ("Answer: the answer is 12", "12"),
     # last number fallback
     ("I have 3 apples and -4 pears, 1,000.5 in total", "1,000.5"),
     ("ratio is 3/4.", "3/4"),
@@ -372,6 +375,7 @@ ADVERSARIAL = {
     "one_mb_open_braces": "\\boxed{" + "{" * 1_000_000,
     "one_mb_boxes": "\\boxed{" * 150_000,
     "one_mb_answer_tags": "<answer>" * 120_000,
+    "one_mb_answer_markers": "Answer: " * 120_000 + "x",
     "nested_braces": "\\boxed{" + "{" * 10_000 + "7" + "}" * 10_000 + "}",
     "surrogates": "\ud800 \\boxed{\udfff} #### \ud83d",
     "surrogate_answer": "The answer is 1\ud800",

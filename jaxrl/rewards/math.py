@@ -61,10 +61,9 @@ _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*(\{)?")
 _BARE_BOX_TOKEN_RE = re.compile(r"(?!\\(?:boxed|fbox))[-+.(\[\\0-9](?:(?!\\(?:boxed|fbox))[^\s$])*")
 # Escaped braces (``\{``, ``\}``) are literal characters, not groups.
 _BRACE_RE = re.compile(r"\\[{}]|[{}]")
-_THE_ANSWER_RE = re.compile(
-    r"(?:the[ \t]+(?:final[ \t]+)?answer[ \t]+is[ \t]*:?|answer[ \t]*:)[ \t]*([^\n]*)",
-    re.IGNORECASE,
-)
+_ANSWER_MARKER = r"(?:the[ \t]+(?:final[ \t]+)?answer[ \t]+is[ \t]*:?|answer[ \t]*:)[ \t]*"
+_ANSWER_MARKER_RE = re.compile(_ANSWER_MARKER, re.IGNORECASE)
+_THE_ANSWER_RE = re.compile(_ANSWER_MARKER + r"([^\n]*)", re.IGNORECASE)
 # Optional sign (only when not a binary minus), integer with optional
 # thousands separators, optional decimals, optional ``/denominator``.
 _NUMBER_RE = re.compile(
@@ -156,7 +155,12 @@ def _the_answer_is(text: str) -> str | None:
     m = _last_match(_THE_ANSWER_RE, text)
     if m is None:
         return None
-    content = m.group(1)
+    # Markers right after the marker ("Final Answer: The final answer is $X$", Minerva's format) introduce
+    # the answer too. Matched in place, without slicing: linear however many there are.
+    start = m.start(1)
+    while (inner := _ANSWER_MARKER_RE.match(text, start, m.end(1))) is not None:
+        start = inner.end()
+    content = text[start : m.end(1)]
     end = re.search(r"\.\s", content)  # "42. Hope this helps" -> "42"
     return content[: end.start()] if end else content
 
