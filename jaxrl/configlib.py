@@ -186,11 +186,17 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
     """Parse a YAML file into a raw section tree that remembers each key's line."""
     name = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{name}: config file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise ConfigError(f"{name}: cannot read config file: {e}") from None
+    try:
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text mode
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{name}:{line}: not UTF-8 text: byte {data[e.start]:#04x} ({e.reason}); save the file "
+                          "as UTF-8") from None
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -242,12 +248,15 @@ def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: st
     return _Section(items, where)
 
 
+_REST_OF_LINE = re.compile("[^\n\r\x85\u2028\u2029]*")  # YAML's line breaks
+
+
 def _reject_comment_as_value(key_node: yaml.Node, value_node: yaml.Node, text: str, where: str,
                              path: str) -> None:
     """``key: #### (.+)$`` is an empty value (null) and a comment to YAML: a value would vanish silently."""
     if not (isinstance(value_node, yaml.ScalarNode) and value_node.style is None and value_node.value == ""):
         return
-    rest = text[key_node.end_mark.index:].split("\n", 1)[0].lstrip(":").strip()
+    rest = _REST_OF_LINE.match(text, key_node.end_mark.index).group().lstrip(":").strip()
     if rest.startswith("#"):
         key = key_node.value
         raise _error(where, path, f"YAML reads {rest!r} as a comment and the value as empty (null); quote the "

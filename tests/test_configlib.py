@@ -296,6 +296,15 @@ def test_missing_file(tmp_path):
     raises(lambda: load_config(Root, tmp_path / "nope.yaml"), "nope.yaml", "not found")
 
 
+def test_a_non_utf8_file_names_the_line(tmp_path):
+    """E.g. a Latin-1 'é' in a comment: the line, not only the byte offset."""
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(b"seed: 1\r\n# caf\xe9\r\noptim:\r\n  learning_rate: 0.1\r\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: not UTF-8 text: byte 0xe9")
+    path.write_bytes(b"seed: 1\r\n# cafe\r\noptim:\r\n  learning_rate: 0.1\r\n")
+    assert load_config(Root, path).optim.learning_rate == 0.1
+
+
 def test_bounds(tmp_path):
     path = write(tmp_path, "seed: 1\noptim:\n  learning_rate: -1\n")
     raises(lambda: load_config(Root, path), f"{path}:3: optim.learning_rate: must be > 0, got -1.0")
