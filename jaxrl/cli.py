@@ -114,13 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
                                 description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1.")
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
-    train.add_argument("overrides", nargs="*", metavar="key=value")
+    # default=[]: without one, argparse's error for a missing config says the overrides are required too
+    train.add_argument("overrides", nargs="*", default=[], metavar="key=value")
     train.set_defaults(handler=_train)
     evaluate = commands.add_parser("eval", help="held-out evaluation of a checkpoint: greedy accuracy, pass@k, maj@k",
                                    description="Evaluate checkpoint=PATH on the recipe's held-out problems; "
                                                "eval.samples=N eval.pass_k=[1,8] add pass@k and maj@k.")
     evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply")
-    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="checkpoint=PATH and config overrides")
+    evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                          help="checkpoint=PATH and config overrides")
     evaluate.set_defaults(handler=_eval)
     convert = commands.add_parser(
         "convert", help="convert checkpoints: Hugging Face <-> orbax policy checkpoint, run -> Hugging Face",

@@ -124,3 +124,11 @@ def test_a_file_system_error_of_the_run_is_a_message_and_exit_2_not_a_traceback(
     extra = ["checkpoint=runs/default"] if command == "eval" else []
     assert cli.main([command, str(RECIPES[0].parent / "default.yaml"), *extra]) == 2
     assert "Not a directory: '/etc/passwd/run'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_missing_config_asks_for_the_config_only(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: config")
