@@ -237,7 +237,7 @@ def copy_bandwidth(size_bytes: int = 2**30, repeats: int = 10) -> float:
 def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int = 64, completion_len: int = 128,
                 micro_batches: int = 1, repeats: int = 3, seed: int = 0, remat: str = "none",
                 mesh: tuple[int, int, int] = (1, 1, 1), compute_dtype: str | None = None,
-                peak_tflops: float | None = None) -> dict:
+                peak_tflops: float | None = None, donate: bool = True) -> dict:
     """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
 
     The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
@@ -251,6 +251,10 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     that dtype over the preset's (float32) master weights. `model_tflops_per_s` counts 6 x (matmul parameters)
     per token plus the attention products; with `peak_tflops` (the devices' total peak in the compute dtype)
     the result includes `mfu`, the model FLOPs utilisation.
+
+    `donate` (the training loop's setting) donates the state to the step. `step_memory_bytes` is the compiled
+    step's own account of the memory it needs at once: its arguments, outputs and temporaries, less the outputs
+    written over donated arguments (`memory_analysis()`; None where the backend gives none).
     """
     import jax
     import jax.numpy as jnp
@@ -286,11 +290,13 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     batch = shard_batch(jax.device_get(batch), layout.mesh)
     optimizer = make_optimizer(learning_rate=1e-5)
     loss = losses.policy_term("ppo_clip", ratio="token", aggregation="token-mean", eps_low=0.2, eps_high=0.2)
-    step = make_rl_step(optimizer, loss, micro_batches=micro_batches)
+    step = make_rl_step(optimizer, loss, micro_batches=micro_batches, donate=donate)
     controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
     state = jax.block_until_ready(init_train_state(policy, optimizer))
 
     start = time.perf_counter()
+    step = step.lower(state, batch, controls).compile()  # compiled once: timed, and its memory read below
+    memory = step.memory_analysis()
     state, metrics = jax.block_until_ready(step(state, batch, controls))
     first = time.perf_counter() - start
     if not np.isfinite(float(metrics["policy_loss"])):
@@ -302,6 +308,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     peak, peak_source = _peak_memory()
+    step_memory = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
     device = jax.devices()[0]
     tokens_per_s = sequences * (prompt_len + completion_len) / step_s
     model_tflops = train_flops_per_token(config, prompt_len + completion_len) * tokens_per_s / 1e12
@@ -313,7 +321,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s, "step_times_s": times,
         "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops,
         "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
-        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "platform": device.platform,
+        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate,
+        "step_memory_bytes": step_memory, "platform": device.platform,
         "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
     }
@@ -348,6 +357,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype over float32 master weights (default: the preset's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the devices' total peak TFLOP/s in the compute dtype: report MFU")
+    parser.add_argument("--no-donate", action="store_true",
+                        help="keep the input state alive through the step (the training loop donates it)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -362,7 +373,7 @@ def run_train(args: argparse.Namespace) -> int:
         r = bench_train(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
                         completion_len=args.completion_len, micro_batches=args.micro_batches,
                         repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
-                        compute_dtype=args.dtype, peak_tflops=args.peak_tflops)
+                        compute_dtype=args.dtype, peak_tflops=args.peak_tflops, donate=not args.no_donate)
     except (ValueError, RuntimeError) as e:
         print(f"jaxrl: bench error: {e}", file=sys.stderr)
         return 2
@@ -377,6 +388,9 @@ def run_train(args: argparse.Namespace) -> int:
     print()
     mfu = "" if r["mfu"] is None else f", MFU {100 * r['mfu']:.1f}%"
     print(f"model FLOPs: {r['model_tflops_per_s']:.3f} TFLOP/s{mfu}")
+    if r["step_memory_bytes"] is not None:
+        print(f"the compiled step needs {_gib(r['step_memory_bytes'])} at once (state "
+              f"{'donated' if r['donate'] else 'not donated'})")
     print(f"token-level clipped policy loss (clip 0.2, token-mean), AdamW; median of {r['repeats']} steps after a "
           f"warm-up; device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
     return 0

@@ -43,7 +43,7 @@ from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, i
                             wait_for_all_processes)
 from jaxrl.tokenizer import (BaseTokenizer, ChatTemplateError, TokenizerError, encode_examples, encode_prompt,
                              left_pad, load_tokenizer, round_up, train_tokenizer)
-from jaxrl.train import (TrainState, completion_logprobs, critic_values, init_critic, init_train_state,
+from jaxrl.train import (TrainState, completion_logprobs, copy_arrays, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
 from models.hf import CheckpointError
 
@@ -215,10 +215,13 @@ def _answer_key(text: str) -> str | None:
 
 
 def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
-    """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`)."""
+    """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`).
+
+    The steps donate their state, so `policy`'s arrays are consumed: use the returned state's policy.
+    """
     optimizer = optimizer_from(config.sft.optim)
     state = init_train_state(policy, optimizer)
-    step_fn = make_sft_step(optimizer)
+    step_fn = make_sft_step(optimizer, donate=True)
     examples = arithmetic.teacher_examples(train_problems, config.task, config.seed)
     # step n: the record of the n-th update, counted from 1 as RL's steps are
     bar = tqdm(range(1, config.sft.steps + 1), desc="warm start", disable=not config.progress, dynamic_ncols=True)
@@ -499,20 +502,20 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
             batch_timeout_s=config.reward.batch_timeout_s))
         if resume_step is None:
             t0 = time.perf_counter()
-            state = warm_start(policy, config, generate, train_problems, writer)
+            # only the policy is kept: the warm start's optimizer state would otherwise live through RL
+            policy = warm_start(policy, config, generate, train_problems, writer).policy
             times["sft_time_s"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            before = evaluate(state.policy, generate, eval_problems, pool, **eval_args)
+            before = evaluate(policy, generate, eval_problems, pool, **eval_args)
             times["eval_before_time_s"] = time.perf_counter() - t0
             writer.write({"phase": "rl", "step": 0, **before})
             log.info("held-out greedy accuracy after the warm start: %.3f", before["eval/accuracy"])
         else:
-            state = resumed[0]
             log.info("resuming %s after RL step %d", out, resume_step)
 
         t0 = time.perf_counter()
-        state, controls, totals = _rl(state, config, train_problems, eval_problems, generate, pool, writer,
+        state, controls, totals = _rl(policy, config, train_problems, eval_problems, generate, pool, writer,
                                       checkpointer, loss, advantage_fn, resume_step, resumed, critic_trunk)
         times["rl_time_s"] = time.perf_counter() - t0
 
@@ -737,10 +740,15 @@ def _hf_files(path: str) -> str | None:
     return files if files is not None and os.path.isdir(files) else None
 
 
-def _rl(state, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
+def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
         loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None,
         resumed: tuple | None = None, critic_trunk: models.Policy | None = None):
-    """RL from the warm-started `state.policy`, or from `resumed` (`_restore`'s result for `resume_step`)."""
+    """RL from `warm_policy` (the warm-started policy), or from `resumed` (`_restore`'s result for
+    `resume_step`; `warm_policy` is then unused).
+
+    The optimizer steps donate the state (`make_rl_step`), so `warm_policy`'s arrays are consumed, but for
+    `rl.overlap`, whose background rollout samples with the state that the update is given.
+    """
     rl, loss_config = config.rl, config.rl.loss
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
@@ -749,6 +757,7 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
     step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
                      critic_optimizer=critic_optimizer, full_kl=full_kl)
     objective = loss or losses.build_loss(loss_config, with_critic=with_critic)
+    step_args["donate"] = not rl.overlap
     step_fn = make_rl_step(optimizer, objective, **step_args)
     warmup_fn = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
     logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
@@ -758,12 +767,12 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                                         component_weights=tuple(component_weights.values())))
     keep_ref = loss_config.needs_ref_logp or full_kl
     first_step = 1
+    # The KL terms' frozen warm-start policy (None: no KL term), in its own arrays: the steps donate the state's.
     if resumed is None:
-        state, controls = _rl_start(config, state.policy, critic_trunk)
-        ref_policy = state.policy  # frozen warm-start policy for KL terms
+        state, controls = _rl_start(config, warm_policy, critic_trunk)
+        ref_policy = copy_arrays(warm_policy) if keep_ref else None
     else:
         state, controls, ref_policy, metadata = resumed
-        ref_policy = ref_policy if keep_ref else state.policy
         first_step = resume_step + 1
     shard, shards = data_shard(generate.mesh)  # rl.prompts_per_step splits over them: check_batch_sizes
     prompts_iter = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
@@ -937,8 +946,8 @@ def _rl(state, config: Config, train_problems, eval_problems, generate, pool, wr
                                        step, ref_policy if full_kl else None)
             if warming_up:
                 record["train/critic_warmup"] = 1.0
-            if rl.ref_reset_every and step % rl.ref_reset_every == 0:
-                ref_policy = state.policy  # the KL terms now pull towards the current policy
+            if keep_ref and rl.ref_reset_every and step % rl.ref_reset_every == 0:
+                ref_policy = copy_arrays(state.policy)  # the KL terms now pull towards the current policy
             t5 = time.perf_counter()
             consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
             if metrics["skipped"] > 0:

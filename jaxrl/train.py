@@ -10,6 +10,7 @@ micro-batches in a `lax.scan`. Every loss term normalises by counts of the whole
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,11 +91,19 @@ def decay_matrices(weight_decay: float) -> optax.GradientTransformation:
 
 
 def init_critic(policy: Policy) -> Critic:
-    """A critic initialised from the policy: the same trunk weights and a zero value head."""
+    """A critic initialised from the policy: a copy of its trunk weights (the two train apart, and a donating
+    step cannot take one buffer twice) and a zero value head."""
     head = {"kernel": jnp.zeros((policy.config.hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
     if policy.layout is not None:
         head = jax.device_put(head, policy.layout.replicated())
-    return Critic(policy.graphdef, policy.config, {"trunk": policy.params, "head": head}, policy.layout)
+    return Critic(policy.graphdef, policy.config, {"trunk": copy_arrays(policy.params), "head": head},
+                  policy.layout)
+
+
+def copy_arrays(tree: Any) -> Any:
+    """`tree` with every array copied to new buffers of the same sharding: a pytree that must outlive a donating
+    step (`donate=True`) while sharing arrays with the state it is given, such as a frozen reference policy."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def param_shardings(layout: models.Layout, params: Any) -> Any:
@@ -200,15 +209,18 @@ def _apply_gradients(state: TrainState, optimizer, grads, critic_optimizer=None)
     return new
 
 
-def make_sft_step(optimizer: optax.GradientTransformation) -> StepFn:
-    """Cross-entropy on completion tokens. Batch: `tokens`, `prompt_valid`, `completion_mask`."""
+def make_sft_step(optimizer: optax.GradientTransformation, *, donate: bool = False) -> StepFn:
+    """Cross-entropy on completion tokens. Batch: `tokens`, `prompt_valid`, `completion_mask`.
+
+    `donate=True`: the input state's buffers are reused for the output state (`make_rl_step`).
+    """
 
     def loss_fn(params, policy, batch):
         logp, _ = completion_logprobs(policy.replace(params=params), batch["tokens"], batch["prompt_valid"])
         mask = batch["completion_mask"]
         return -losses.aggregate(logp, mask, "token-mean", losses.normalizers(mask))
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnames=("state",) if donate else ())
     def sft_step(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.policy.params, state.policy, batch)
         grads = _constrain(state.policy.layout, grads)
@@ -291,7 +303,7 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
 
 def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_batches: int = 1,
                  norm_length: float = 1.0, critic_optimizer: optax.GradientTransformation | None = None,
-                 full_kl: bool = False, update_policy: bool = True):
+                 full_kl: bool = False, update_policy: bool = True, donate: bool = False):
     """One optimizer step of `loss` (any composition of `jaxrl.losses` terms, or your own) on a mini-batch.
 
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
@@ -301,10 +313,15 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     and `loss_tokens`: the mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
     `update_policy=False` trains only the critic (PPO's critic warm-up): the policy and its optimizer state
     stay as they are.
+
+    `donate=True` donates the input state to the step (`jax.jit`'s `donate_argnames`): the new parameters and
+    optimizer state are written over the old ones instead of beside them, which takes the state's size (3x the
+    parameters with Adam) off the step's peak memory. The input state, and every pytree that shares its
+    arrays, is then deleted: keep a frozen reference policy as a copy (`copy_arrays`).
     """
     gradients = make_rl_gradients(loss, micro_batches=micro_batches, norm_length=norm_length, full_kl=full_kl)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnames=("state",) if donate else ())
     def rl_step(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
         grads, metrics = gradients(state, batch, controls, ref_policy)
         metrics["grad_norm"] = optax.tree.norm(grads["policy"])

@@ -72,6 +72,13 @@ def test_bench_train_tiny_config_and_cli(capsys):
     for key in ("compile_s", "first_step_s", "step_s", "tokens_per_s", "peak_memory_bytes"):
         assert math.isfinite(result[key]) and result[key] >= 0, (key, result[key])
     assert result["tokens_per_s"] == pytest.approx(4 * 11 / result["step_s"]) and len(result["step_times_s"]) == 2
+    # The loop's donated state is written in place: the step needs the state's size (params + Adam's two
+    # moments, float32) less than when the input state is kept.
+    kept = bench.bench_train(model=TINY, sequences=4, prompt_len=5, completion_len=6, micro_batches=2, repeats=1,
+                             donate=False)
+    assert result["donate"] and not kept["donate"]
+    state_bytes = 3 * 4 * models.num_parameters(TINY)
+    assert kept["step_memory_bytes"] - result["step_memory_bytes"] >= state_bytes
     with pytest.raises(ValueError, match="divisible by micro_batches"):
         bench.bench_train(model=TINY, sequences=3, micro_batches=2)
 

@@ -156,8 +156,9 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
     real_update = loop.rl_update
 
     def spy(state, *args, **kwargs):
+        before = jax.device_get(state.policy.params)  # on the host: the update donates (deletes) its input state
         new_state, metrics = real_update(state, *args, **kwargs)
-        updates.append((state.policy.params, new_state.policy.params))
+        updates.append((before, jax.device_get(new_state.policy.params)))
         return new_state, metrics
 
     monkeypatch.setattr(loop, "rl_update", spy)
@@ -462,3 +463,35 @@ def test_a_separate_critic_network_is_loaded_from_its_checkpoint(tmp_path, monke
     from jaxrl.configlib import ConfigError
     with pytest.raises(ConfigError, match="critic.model 'separate' loads its network from critic.checkpoint"):
         load_config(Config, "configs/default.yaml", ["rl.loss.preset=ppo", "rl.critic.model=separate"])
+
+
+@pytest.mark.parametrize("with_critic", [False, True], ids=["policy", "critic"])
+def test_a_donating_step_writes_the_pure_steps_result_over_its_input(with_critic):
+    """`make_rl_step(donate=True)` gives the default step's state and metrics bit for bit, in the input's
+    buffers: the compiled step aliases every byte of the state and the input is deleted. A critic initialised
+    from the policy owns its trunk (one buffer cannot be donated twice), and a `copy_arrays` reference
+    outlives the donation."""
+    from jaxrl.train import copy_arrays, make_optimizer, make_rl_step
+
+    policy = models.init(MODEL, 0)
+    optimizer = make_optimizer(1e-2, weight_decay=0.1)
+    critic = init_critic(policy) if with_critic else None
+    critic_optimizer = make_optimizer(1e-2) if with_critic else None
+    loss = losses.build_loss(LossConfig(objective="ppo_clip", kl_coef=0.1), with_critic=with_critic)
+    controls = Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    batch = _batch(policy, critic=critic)
+    state = init_train_state(policy, optimizer, critic, critic_optimizer)
+    args = dict(norm_length=N, critic_optimizer=critic_optimizer)
+    want, want_metrics = make_rl_step(optimizer, loss, **args)(state, batch, controls)
+    reference = copy_arrays(state.policy)
+    donating = make_rl_step(optimizer, loss, donate=True, **args)
+    memory = donating.lower(state, batch, controls).compile().memory_analysis()
+    assert memory.alias_size_in_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+    got, got_metrics = donating(state, batch, controls)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.device_get(got_metrics) == jax.device_get(want_metrics)
+    for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(policy.params), strict=True):
+        assert not a.is_deleted() and b.is_deleted()
+    assert _relative_error(reference.params, want.policy.params) > 0

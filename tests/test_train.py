@@ -35,8 +35,9 @@ def test_rl_update_changes_parameters_with_finite_metrics(tmp_path):
     real_update = loop.rl_update
 
     def spy(state, *args, **kwargs):
+        before = jax.device_get(state.policy.params)  # on the host: the update donates (deletes) its input state
         new_state, metrics = real_update(state, *args, **kwargs)
-        captured.setdefault("pairs", []).append((state.policy.params, new_state.policy.params, metrics))
+        captured.setdefault("pairs", []).append((before, jax.device_get(new_state.policy.params), metrics))
         return new_state, metrics
 
     loop.rl_update = spy
