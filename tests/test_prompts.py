@@ -4,6 +4,7 @@ import json
 import logging
 import re
 
+import grain
 import pytest
 
 from jaxrl.data.batching import shuffled_batches
@@ -287,6 +288,20 @@ def test_prompt_batches_checkpoint_restore():
     restored = prompt_batches(records, 3, seed=0)
     restored.set_state(state)
     assert [next(restored) for _ in range(4)] == expected
+
+
+def test_run_seeds_draw_unrelated_orders_in_every_epoch():
+    """grain shuffles epoch e with its seed + e: passed as they are, seed 1's first epoch was seed 0's second.
+    No epoch order of eight seeds repeats another's (20 items: 20! orders), and seed 0 keeps grain's own."""
+    items = list(range(20))
+    orders = {}
+    for seed in range(8):
+        batches = shuffled_batches(items, len(items), seed)
+        for epoch in range(4):
+            orders.setdefault(tuple(next(batches)), []).append((seed, epoch))
+    assert all(len(found) == 1 for found in orders.values()), [f for f in orders.values() if len(f) > 1]
+    first = next(iter(grain.MapDataset.source(items).shuffle(seed=0).batch(20, batch_fn=list)))
+    assert next(shuffled_batches(items, len(items), 0)) == first
 
 
 def test_shuffled_batches_validation():
