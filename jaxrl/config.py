@@ -156,13 +156,13 @@ class RewardConfig:
     batch_timeout_s: float | None = _field(None, gt=0, lt=math.inf)
     # Shaping, composed with the verifiable reward ("correct", weight 1) by jaxrl.rewards.compose; each
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
-    format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
+    format_weight: float = _field(0.0, ge=0, lt=math.inf)  # weight of format_reward (0: off)
     format_pattern: Literal["think_answer", "answer"] = "think_answer"
     # DAPO soft overlong punishment: the last `overlong_buffer` tokens before rl.sampling.max_new_tokens.
     overlong_buffer: int | None = _field(None, gt=0)  # None: off
-    overlong_weight: float = _field(1.0, ge=0)
+    overlong_weight: float = _field(1.0, ge=0, lt=math.inf)
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
-    length_penalty_coef: float = _field(0.0, ge=0)
+    length_penalty_coef: float = _field(0.0, ge=0, lt=math.inf)
 
     def component_weights(self) -> dict[str, float]:
         """Name -> weight of every active reward component."""

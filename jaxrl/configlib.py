@@ -20,7 +20,7 @@ A YAML file lists only what it changes; overrides apply after it, in order.
 Nothing is coerced silently (``"3"`` is not an int, ``true`` is not a number);
 the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
 string: unquoted scalars and override values that ``float()`` accepts are taken
-for float fields. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
+for float fields, NaN for none. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
 ``ValueError``. A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import operator
 import os
 import re
@@ -432,7 +433,10 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
 
 
 def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
-    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples)."""
+    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples); NaN is no value of any field."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, float) and math.isnan(v):
+            raise _error(where, path, "must be a number, got nan")
     for key, (op, symbol) in _BOUNDS.items():
         if key not in f.metadata:
             continue

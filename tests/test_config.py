@@ -68,6 +68,9 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["tokenizer.vocab_size=100"], ["tokenizer.vocab_size (100) exceeds model.vocab_size (64)"]),
         ("", ["rl.sampling.top_p=1.5"], ["rl.sampling.top_p", "<= 1"]),
         ("", ["seed=-1"], ["seed", ">= 0"]),
+        ("", ["reward.length_target=100", "reward.length_penalty_coef=inf"],  # infinite rewards at step 1
+         ["reward.length_penalty_coef", "< inf"]),
+        ("", ["rl.loss.clip_cov_high=nan"], ["rl.loss.clip_cov_high", "must be a number, got nan"]),
         ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
         ("", ["data.template={prompt}"], ["data.template: expected a str, got a mapping",
                                           "quote the value, e.g. \"data.template='...'\" in the shell"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -310,6 +311,15 @@ def test_bounds(tmp_path):
     raises(lambda: load_config(Root, path), f"{path}:3: optim.learning_rate: must be > 0, got -1.0")
     raises(lambda: load_config(Root, None, ["optim.warmup_steps=-1"]),
            "override 'optim.warmup_steps=-1': optim.warmup_steps: must be >= 0, got -1")
+
+
+def test_nan_is_no_value_of_any_float_field(tmp_path):
+    """Unbounded fields and tuple entries took NaN (and gave NaN parameters, say); bounded ones refused it only by
+    accident of the comparison. Infinity stays a value where the bounds allow it."""
+    path = write(tmp_path, "model:\n  dropout: .nan\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: model.dropout: must be a number, got nan")
+    raises(lambda: load_config(Root, None, ["optim.betas=[0.9, nan]"]), "optim.betas: must be a number, got nan")
+    assert load_config(Root, None, ["model.dropout=inf"]).model.dropout == math.inf
 
 
 def test_validate_cross_check(tmp_path):
