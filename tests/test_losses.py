@@ -886,6 +886,18 @@ def test_sampled_kl_estimators_against_numpy():
         kl_estimate(jnp.asarray(lp), jnp.asarray(ref), "full")
 
 
+def test_k3_is_accurate_and_nonnegative_for_tiny_log_ratios():
+    """Near the target (|log ratio| ~ 1e-4: a policy close to its reference or old self) k3 ~ x^2 / 2 must not
+    drown in the rounding of `exp(x)` in float32."""
+    rng = np.random.default_rng(31)
+    lp = f32(rng.normal(-2.0, 1.0, 4096))
+    ref = f32(lp + rng.choice([-1.0, 1.0], 4096) * rng.uniform(5e-5, 5e-4, 4096))
+    x = f64(ref) - f64(lp)
+    k3 = np.asarray(kl_k3(jnp.asarray(lp), jnp.asarray(ref)), np.float64)
+    assert np.all(k3 >= 0)
+    np.testing.assert_allclose(k3, np.expm1(x) - x, rtol=2e-2)
+
+
 def test_kl_full_against_numpy():
     rng = np.random.default_rng(26)
     logits_p, logits_q = rng.normal(size=(3, 4, 7)), rng.normal(size=(3, 4, 7)) * 2
