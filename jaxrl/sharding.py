@@ -83,6 +83,9 @@ def rules_from(rows: tuple[tuple[str, ...], ...]) -> Rules:
         if unknown:
             raise ValueError(f"mesh.rules[{i}] maps {row[0]!r} to the unknown mesh axis {unknown[0]!r}; the mesh "
                              f"has {', '.join(MESH_AXES)}")
+        repeated = sorted({axis for axis in row[1:] if row[1:].count(axis) > 1})
+        if repeated:
+            raise ValueError(f"mesh.rules[{i}] maps {row[0]!r} to the mesh axis {repeated[0]!r} more than once")
         table[row[0]] = tuple(row[1:])
     return tuple(table.items())
 

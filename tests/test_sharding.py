@@ -112,3 +112,12 @@ def test_a_decode_step_with_fewer_kv_heads_than_tensor_devices_gathers_nothing()
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_a_rule_naming_a_mesh_axis_twice_is_refused_by_name():
+    """`[mlp, tensor, tensor]` would reach jax as `P(('tensor', 'tensor'))`: a DuplicateSpecError naming no rule."""
+    from jaxrl.sharding import rules_from
+    with pytest.raises(ValueError, match=r"mesh.rules\[1\] maps 'mlp' to the mesh axis 'tensor' more than once"):
+        rules_from((("embed", "fsdp"), ("mlp", "tensor", "tensor")))
+    with pytest.raises(ValueError, match=r"maps 'mlp' to a mesh axis more than once: \('tensor', 'tensor'\)"):
+        Layout(make_mesh(), (("mlp", ("tensor", "tensor")),))
