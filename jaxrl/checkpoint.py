@@ -49,6 +49,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self._manager.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        _check_shapes(self._manager.directory / str(step) / "state", abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
         return restored["state"], restored["metadata"]
@@ -59,3 +60,18 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _check_shapes(state_dir, like: Any) -> None:
+    """Raise a `ValueError` naming the arrays of `like` whose shapes differ from those saved in `state_dir`
+    (orbax's own error names no array, and suggests truncating it)."""
+    try:
+        saved = ocp.tree.to_flat_dict(ocp.StandardCheckpointHandler().metadata(state_dir))
+    except FileNotFoundError:
+        return  # no metadata: the restore itself says what is missing
+    wrong = [f"{'.'.join(map(str, path))} is {tuple(saved[path].shape)} in the checkpoint, {tuple(x.shape)} here"
+             for path, x in ocp.tree.to_flat_dict(like).items()
+             if getattr(saved.get(path), "shape", None) is not None and tuple(saved[path].shape) != tuple(x.shape)]
+    if wrong:
+        more = f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError(f"checkpoint {state_dir.parent.name} does not fit: " + "; ".join(wrong[:3]) + more)

@@ -218,6 +218,24 @@ def test_checkpoint_from_one_mesh_restores_onto_others(tmp_path):
     assert "(1, 8, 1) {(32, 4)}" in out and "(1, 1, 1) {(32, 32)}" in out
 
 
+def test_a_checkpoint_of_other_shapes_is_refused_naming_the_arrays(tmp_path):
+    """Orbax's own error names no array ("Requested shape: (64, 32) is not compatible with the stored shape")."""
+    import jax.numpy as jnp
+    from jaxrl.checkpoint import Checkpointer
+
+    saved = {"params": {"up_proj": jnp.ones((4, 2)), "down_proj": jnp.ones((2, 4))}, "step": jnp.int32(3)}
+    checkpointer = Checkpointer(tmp_path / "checkpoints with spaces")
+    checkpointer.save(3, saved, {})
+    checkpointer.wait()
+    like = {"params": {"up_proj": jnp.ones((8, 2)), "down_proj": jnp.ones((2, 4))}, "step": jnp.int32(0)}
+    with pytest.raises(ValueError, match=r"checkpoint 3 does not fit: params.up_proj is \(4, 2\) in the checkpoint, "
+                                         r"\(8, 2\) here$"):
+        checkpointer.restore(None, like)
+    restored, _ = checkpointer.restore(None, saved)
+    assert int(restored["step"]) == 3
+    checkpointer.close()
+
+
 ERRORS = """
     import jax, numpy as np
     import models
