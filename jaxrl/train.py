@@ -39,7 +39,7 @@ class Critic:
     graphdef: Any = struct.field(pytree_node=False)
     config: models.ModelConfig = struct.field(pytree_node=False)
     params: dict
-    layout: models.Layout | None = struct.field(pytree_node=False, default=None)  # as the policy's
+    layout: models.Layout | None = struct.field(pytree_node=False, default=None)  # its trunk's
 
     @property
     def trunk(self) -> Policy:
@@ -107,13 +107,11 @@ def copy_arrays(tree: Any) -> Any:
 
 
 def param_shardings(layout: models.Layout, params: Any) -> Any:
-    """Shardings of policy params, of critic params `{"trunk": ..., "head": ...}` (head replicated), or of
-    trainable params (or their gradients) `{"policy": ..., "critic": ...}`."""
+    """Shardings of policy params or of critic params `{"trunk": ..., "head": ...}` (head replicated), by the
+    layout of their model (`Policy.layout`, `Critic.layout`)."""
     if isinstance(params, dict) and set(params) == {"trunk", "head"}:
         return {"trunk": layout.param_shardings(params["trunk"]),
                 "head": jax.tree.map(lambda _: layout.replicated(), params["head"])}
-    if isinstance(params, dict) and params and set(params) <= {"policy", "critic"}:
-        return {name: param_shardings(layout, tree) for name, tree in params.items()}
     return layout.param_shardings(params)
 
 
@@ -142,12 +140,18 @@ def _constrain(layout: models.Layout | None, tree: Any, optimizer=None, params=N
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def _constrain_trainable(state: TrainState, tree: dict) -> dict:
+    """`{"policy": ..., "critic": ...}` (gradients, or their sums) each held at its own model's sharding."""
+    layouts = {"policy": state.policy.layout, "critic": None if state.critic is None else state.critic.layout}
+    return {name: _constrain(layouts[name], part) for name, part in tree.items()}
+
+
 def init_train_state(policy: Policy, optimizer: optax.GradientTransformation, critic: Critic | None = None,
                      critic_optimizer: optax.GradientTransformation | None = None) -> TrainState:
     if (critic is None) != (critic_optimizer is None):
         raise ValueError("a critic needs its optimizer and an optimizer its critic")
     layout = policy.layout
-    critic_opt_state = None if critic is None else _init_opt_state(critic_optimizer, critic.params, layout)
+    critic_opt_state = None if critic is None else _init_opt_state(critic_optimizer, critic.params, critic.layout)
     step = jnp.zeros((), jnp.int32) if layout is None else jax.device_put(jnp.zeros((), jnp.int32),
                                                                              layout.replicated())
     return TrainState(policy=policy, opt_state=_init_opt_state(optimizer, policy.params, layout), step=step,
@@ -204,6 +208,7 @@ def _apply_gradients(state: TrainState, optimizer, grads, critic_optimizer=None)
     if state.critic is not None:
         params = state.critic.params
         updates, critic_opt = critic_optimizer.update(grads["critic"], state.critic_opt_state, params)
+        layout = state.critic.layout  # its own model's: a separately loaded critic may have other head sizes
         critic = state.critic.replace(params=_constrain(layout, optax.apply_updates(params, updates)))
         new = new.replace(critic=critic, critic_opt_state=_constrain(layout, critic_opt, critic_optimizer, params))
     return new
@@ -276,10 +281,9 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         if state.critic is not None:
             trainable["critic"] = state.critic.params
         norm = losses.normalizers(batch["loss_mask"], norm_length, batch.get("token_weights"))
-        layout = state.policy.layout
         if micro_batches == 1:
             (_, metrics), grads = grad_fn(trainable, state, batch, norm, controls, ref_policy)
-            return _constrain(layout, grads), metrics
+            return _constrain_trainable(state, grads), metrics
 
         micro = _split_micro_batches(batch, micro_batches)
         first = jax.tree.map(lambda x: x[0], micro)
@@ -290,11 +294,11 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         def accumulate(carry, mb):
             grads, metrics = carry
             (_, mb_metrics), mb_grads = grad_fn(trainable, state, mb, norm, controls, ref_policy)
-            grads = _constrain(layout, jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, mb_grads))
+            grads = _constrain_trainable(state, jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, mb_grads))
             return (grads, losses.reduce_metrics(metrics, mb_metrics)), None
 
         # summed in float32 whatever the parameters' dtype (bf16 sums would round after every micro-batch)
-        zeros = _constrain(layout, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
+        zeros = _constrain_trainable(state, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
         (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), micro)
         return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable), metrics
 

@@ -495,3 +495,29 @@ def test_a_donating_step_writes_the_pure_steps_result_over_its_input(with_critic
     for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(policy.params), strict=True):
         assert not a.is_deleted() and b.is_deleted()
     assert _relative_error(reference.params, want.policy.params) > 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_critic_of_other_head_sizes_is_laid_out_by_its_own_model(micro_batches):
+    """A separately loaded critic (`rl.critic.model=separate`) may have other heads than the policy: its
+    parameters, gradients and optimizer state follow its own layout (`Critic.layout`). They were laid out by
+    the policy's, which refused 3 KV heads of 8 as 'not a whole number of heads of head_dim 16'."""
+    from jaxrl.sharding import make_mesh
+    from jaxrl.train import make_optimizer, make_rl_step
+
+    critic_model = dataclasses.replace(MODEL, num_heads=6, num_kv_heads=3, head_dim=4)
+    layout = models.Layout(make_mesh(1, 1, 1))
+    policy = models.shard(models.init(dataclasses.replace(MODEL, head_dim=16), 0), layout)
+    critic = init_critic(models.shard(models.init(critic_model, 1), layout))
+    assert (policy.layout.head_dim, critic.layout.head_dim) == (16, 4)
+    optimizer = make_optimizer(1e-2)
+    state = init_train_state(policy, optimizer, critic, make_optimizer(1e-2))
+    loss = losses.build_loss(LossConfig(objective="ppo_clip"), with_critic=True)
+    step = make_rl_step(optimizer, loss, micro_batches=micro_batches, norm_length=N,
+                        critic_optimizer=make_optimizer(1e-2))
+    new, metrics = step(state, _batch(policy, critic=critic), Controls(entropy_coef=jnp.float32(0.0),
+                                                                       temperature=jnp.float32(1.0)))
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["critic_grad_norm"]) > 0
+    assert _relative_error(new.critic.params, critic.params) > 0
+    for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True):
+        assert after.sharding.is_equivalent_to(before.sharding, after.ndim)
