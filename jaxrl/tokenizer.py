@@ -694,6 +694,8 @@ def encode_examples(
     Returns `(tokens [B, prompt_length + completion_length], prompt_valid [B, prompt_length],
     completion_mask [B, completion_length])`.
     """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions: each prompt needs one")
     prompt_tokens, prompt_valid = encode_prompts(tokenizer, prompts, prompt_length, templated=templated)
     encoded = [[*tokenizer.encode(text), tokenizer.eos_id] for text in completions]
     if completion_length is None:

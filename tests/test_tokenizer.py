@@ -130,3 +130,11 @@ def test_sloppy_teacher_forgets_carries_only():
     always = arithmetic.solution(problem, 1.0, np.random.default_rng(0))
     assert always == "23+8=21,21-5=26,26+1=27 #### 27"  # 23+8 carries (forgot); 21-5 borrows (forgot: 26)
     assert problem.answer == 27 and problem.prompt == "23+8-5+1="
+
+
+def test_encode_examples_refuses_prompts_and_completions_of_different_counts(tokenizer):
+    """A missing completion was a row of padding with an all-false mask (trained on nothing, silently)."""
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        encode_examples(tokenizer, ["1+2=", "3+4="], ["3"], 8, 8)
+    with pytest.raises(ValueError, match="1 prompts but 2 completions"):
+        encode_examples(tokenizer, ["1+2="], ["3", "7"], 8, 8)
