@@ -369,6 +369,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Itera
         split_digits=True, hard_vocab_limit=False, character_coverage=1.0, num_threads=1,
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
+        max_sentence_length=1 << 30,  # the most it takes; by default, texts over 4192 bytes were skipped silently
     )
     return SentencePieceTokenizer(proto.getvalue(), stop_tokens=stop_tokens)
 

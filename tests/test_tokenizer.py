@@ -138,3 +138,11 @@ def test_encode_examples_refuses_prompts_and_completions_of_different_counts(tok
         encode_examples(tokenizer, ["1+2=", "3+4="], ["3"], 8, 8)
     with pytest.raises(ValueError, match="1 prompts but 2 completions"):
         encode_examples(tokenizer, ["1+2="], ["3", "7"], 8, 8)
+
+
+def test_long_texts_are_trained_on():
+    """sentencepiece skips texts over 4192 bytes by default: a character only they hold encoded as <unk>."""
+    long = "x = 1\n" * 1000 + "Ω"
+    tokenizer = train_tokenizer(["abc"] * 10 + [long], 24)
+    assert tokenizer.token_to_id("Ω") is not None
+    assert tokenizer.decode(tokenizer.encode(long)) == long
