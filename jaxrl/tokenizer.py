@@ -275,7 +275,10 @@ class SentencePieceTokenizer(BaseTokenizer):
                  extra_stop_ids: Iterable[int] = (), chat_template: str | None = None,
                  add_bos_token: bool | None = None):
         self.model_proto = model_proto
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except RuntimeError as e:  # sentencepiece's own message is a C++ source location
+            raise TokenizerError(f"not a sentencepiece model: {e}") from None
         sp = self._sp
         builtin = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id(),
                    "unk_token": sp.unk_id()}
@@ -313,7 +316,11 @@ class SentencePieceTokenizer(BaseTokenizer):
     def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> "SentencePieceTokenizer":
         """The model in the `.model` file at `path` (no config files: see `load_tokenizer` for those)."""
         with open(path, "rb") as f:
-            return cls(f.read(), **kwargs)
+            proto = f.read()
+        try:
+            return cls(proto, **kwargs)
+        except TokenizerError as e:
+            raise TokenizerError(f"{path}: {e}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the serialized model (`.model` file)."""

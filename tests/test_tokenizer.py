@@ -146,3 +146,11 @@ def test_long_texts_are_trained_on():
     tokenizer = train_tokenizer(["abc"] * 10 + [long], 24)
     assert tokenizer.token_to_id("Ω") is not None
     assert tokenizer.decode(tokenizer.encode(long)) == long
+
+
+def test_a_corrupted_model_file_is_named(tmp_path):
+    (tmp_path / "t.model").write_bytes(b"garbage")
+    with pytest.raises(TokenizerError, match=r"t\.model: not a sentencepiece model"):
+        SentencePieceTokenizer.from_file(tmp_path / "t.model")
+    with pytest.raises(TokenizerError, match="not a sentencepiece model"):
+        SentencePieceTokenizer(b"garbage")
