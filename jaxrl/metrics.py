@@ -13,11 +13,16 @@ import numpy as np
 
 
 def to_python(value: Any) -> Any:
-    """JSON-safe scalars: numpy / jax scalars to float or int, non-finite floats to None."""
-    if hasattr(value, "item"):
-        value = value.item()
+    """JSON-safe values: numpy / jax scalars to float or int, arrays to lists, non-finite floats to None (also
+    inside lists and dicts: json.dumps would write NaN / Infinity, which strict JSON readers reject)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
     return value
 
 

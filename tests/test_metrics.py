@@ -33,3 +33,23 @@ def test_read_metrics_names_a_bad_line_and_may_drop_a_torn_last_one(tmp_path, ca
     path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damage inside the file is never dropped
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
         read_metrics(path, torn_tail_ok=True)
+
+
+def test_records_are_strict_json_with_non_finite_values_and_arrays_inside(tmp_path):
+    """NaN / inf anywhere (a list, a dict, an array) are written as null: json.dumps wrote NaN / Infinity, which
+    strict JSON readers reject; an array of more than one value failed the write."""
+    import json
+
+    import numpy as np
+
+    from jaxrl.metrics import MetricsWriter
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    with MetricsWriter(tmp_path / "metrics.jsonl") as writer:
+        writer.write({"step": np.int64(1), "loss": np.float32("nan"), "per_group": [1.0, float("inf")],
+                      "by_kind": {"a": float("-inf")}, "hist": np.array([0.5, np.nan])})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=strict) == {
+        "step": 1, "loss": None, "per_group": [1.0, None], "by_kind": {"a": None}, "hist": [0.5, None]}
