@@ -148,7 +148,9 @@ def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str 
         ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", color="tab:red", lw=2,
                 label="held-out greedy accuracy")
     ax.set_xlabel("RL step")
-    ax.set_ylim(0, 1)
+    # [0, 1] (accuracy's range), widened to show shaped rewards outside it (e.g. an overlong penalty of -1)
+    values = [r["reward/mean"] for r in rl] + [r["eval/accuracy"] for r in evals]
+    ax.set_ylim(min([0, *values]), max([1, *values]))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)

@@ -53,3 +53,17 @@ def test_records_are_strict_json_with_non_finite_values_and_arrays_inside(tmp_pa
     line = (tmp_path / "metrics.jsonl").read_text()
     assert json.loads(line, parse_constant=strict) == {
         "step": 1, "loss": None, "per_group": [1.0, None], "by_kind": {"a": None}, "hist": [0.5, None]}
+
+
+def test_plot_run_shows_rewards_outside_zero_one(tmp_path, monkeypatch):
+    """Shaped rewards may be negative (an overlong penalty is -1): the y axis widens to show them (it was
+    fixed at [0, 1], which cut such a curve off); rewards in [0, 1] keep [0, 1]."""
+    from matplotlib.figure import Figure
+
+    limits = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path: limits.append(self.axes[0].get_ylim()))
+    plot_run([{"phase": "rl", "step": s, "reward/mean": -0.5 * s} for s in range(1, 4)], tmp_path / "a.png")
+    plot_run([{"phase": "rl", "step": 1, "reward/mean": 0.5}, {"phase": "rl", "step": 1, "eval/accuracy": 0.2}],
+             tmp_path / "b.png")
+    plot_run([], tmp_path / "c.png")
+    assert limits == [(-1.5, 1), (0, 1), (0, 1)]
