@@ -254,6 +254,7 @@ class BaseTokenizer(abc.ABC):
 # ---------------------------------------------------------------------------------------------------------
 
 _FROM_MODEL = object()  # special token not configured: use the sentencepiece model's own piece
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class SentencePieceTokenizer(BaseTokenizer):
@@ -336,6 +337,10 @@ class SentencePieceTokenizer(BaseTokenizer):
         return i if 0 <= i < self.vocab_size and self._sp.id_to_piece(i) == token else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        surrogate = _LONE_SURROGATE.search(text)
+        if surrogate:  # sentencepiece's error is "Unable to cast Python instance of type <class 'str'>"
+            raise ValueError(f"text holds a lone surrogate {surrogate.group()!r} at {surrogate.start()} (not valid "
+                             f"Unicode; e.g. a JSON '\\ud83d' escape without its pair): {text[:80]!r}")
         if self._special_re is None or not self._special_re.search(text):
             ids = self._sp.encode(text)
         else:

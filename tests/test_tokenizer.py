@@ -154,3 +154,13 @@ def test_a_corrupted_model_file_is_named(tmp_path):
         SentencePieceTokenizer.from_file(tmp_path / "t.model")
     with pytest.raises(TokenizerError, match="not a sentencepiece model"):
         SentencePieceTokenizer(b"garbage")
+
+
+def test_unicode_round_trips_and_a_lone_surrogate_is_named():
+    texts = ["emoji 😀, CJK 中文, e\u0301 combining", ""]
+    tokenizer = train_tokenizer(texts * 20, 60)
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    # json.loads('"\\ud83d"') gives such a str; sentencepiece's error named neither the text nor the cause
+    with pytest.raises(ValueError, match=r"lone surrogate '\\ud83d' at 3 .*'hi \\ud83d there'"):
+        tokenizer.encode("hi \ud83d there")
