@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.partitioning import DEFAULT_RULES, Layout, Rules
+from models.partitioning import DEFAULT_RULES, Layout, Rules, check_rules
 
 log = logging.getLogger("jaxrl")
 
@@ -72,22 +72,12 @@ def layout_from(mesh_config, devices: list | None = None) -> Layout:
 
 def rules_from(rows: tuple[tuple[str, ...], ...]) -> Rules:
     """Config rows `[logical_name, mesh_axis, ...]` as `Rules`; names without a row keep the default rule."""
-    table = dict(DEFAULT_RULES)
     for i, row in enumerate(rows):
         if not row:
             raise ValueError(f"mesh.rules[{i}] is empty: expected [logical_name, mesh axes...]")
-        if row[0] not in table:
-            raise ValueError(f"mesh.rules[{i}] names the unknown logical axis {row[0]!r}; known: "
-                             f"{', '.join(table)}")
-        unknown = [axis for axis in row[1:] if axis not in MESH_AXES]
-        if unknown:
-            raise ValueError(f"mesh.rules[{i}] maps {row[0]!r} to the unknown mesh axis {unknown[0]!r}; the mesh "
-                             f"has {', '.join(MESH_AXES)}")
-        repeated = sorted({axis for axis in row[1:] if row[1:].count(axis) > 1})
-        if repeated:
-            raise ValueError(f"mesh.rules[{i}] maps {row[0]!r} to the mesh axis {repeated[0]!r} more than once")
-        table[row[0]] = tuple(row[1:])
-    return tuple(table.items())
+    overrides = tuple((row[0], tuple(row[1:])) for row in rows)
+    check_rules(overrides, MESH_AXES)  # named by their config rows, before the defaults fill in the rest
+    return tuple({**dict(DEFAULT_RULES), **dict(overrides)}.items())
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:

@@ -87,8 +87,10 @@ def check_rules(rules: Rules, mesh_axes: tuple[str, ...]) -> None:
             if axis not in mesh_axes:
                 raise ValueError(f"mesh.rules[{i}] maps {name!r} to the unknown mesh axis {axis!r}; the mesh "
                                  f"has {', '.join(mesh_axes)}")
-        if len(set(axes)) != len(axes):
-            raise ValueError(f"mesh.rules[{i}] maps {name!r} to a mesh axis more than once: {tuple(axes)}")
+        repeated = [axis for axis in axes if axes.count(axis) > 1]
+        if repeated:
+            raise ValueError(f"mesh.rules[{i}] maps {name!r} to the mesh axis {repeated[0]!r} more than once: "
+                             f"{tuple(axes)}")
 
 
 def param_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:

@@ -119,5 +119,5 @@ def test_a_rule_naming_a_mesh_axis_twice_is_refused_by_name():
     from jaxrl.sharding import rules_from
     with pytest.raises(ValueError, match=r"mesh.rules\[1\] maps 'mlp' to the mesh axis 'tensor' more than once"):
         rules_from((("embed", "fsdp"), ("mlp", "tensor", "tensor")))
-    with pytest.raises(ValueError, match=r"maps 'mlp' to a mesh axis more than once: \('tensor', 'tensor'\)"):
+    with pytest.raises(ValueError, match=r"maps 'mlp' to the mesh axis 'tensor' more than once: \('tensor', 'tensor'\)"):
         Layout(make_mesh(), (("mlp", ("tensor", "tensor")),))
