@@ -170,18 +170,51 @@ def _last_number(text: str) -> str | None:
     return None if m is None else m.group()
 
 
+# Math delimiters of an unboxed answer: display (``\\[...\\]``, ``$$...$$``) and inline (``\\(...\\)``, ``$...$``).
+_MATH_DELIMITERS = (("\\[", "\\]"), ("$$", "$$"), ("\\(", "\\)"))
+
+
+def _last_math_or_number(text: str) -> str | None:
+    """The last math span (``\\(...\\)``, ``\\[...\\]``, ``$$...$$``, ``$...$``) of an answer given without a box,
+    unless a number follows it (``Let $x$ be ... so it is 5``): then that number. Linear: ``rfind`` only.
+
+    A ``$...$`` span must not start or end with a blank ("costs $5 and $10": currency, not math), and ``\\$``
+    is a dollar sign, never a delimiter.
+    """
+    best = None  # (end, content)
+    for opening, closing in _MATH_DELIMITERS:
+        close = text.rfind(closing)
+        start = text.rfind(opening, 0, close) if close > 0 else -1
+        if start >= 0 and (best is None or close > best[0]):
+            best = (close, text[start + len(opening) : close])
+    dollars = [i for i in (text.rfind("$"),) if i >= 0 and not text.startswith("$$", i - 1)]
+    if dollars and (best is None or dollars[0] > best[0]):
+        close = dollars[0]
+        start = text.rfind("$", 0, close)
+        while start > 0 and text[start - 1] == "\\":  # an escaped \\$ is a dollar sign
+            start = text.rfind("$", 0, start - 1)
+        content = text[start + 1 : close] if start >= 0 and text[close - 1] != "\\" else ""
+        if content[:1].strip() and content[-1:].strip():
+            best = (close, content)
+    number = _last_match(_NUMBER_RE, text)
+    if best is None or (number is not None and number.start() > best[0]):
+        return None if number is None else number.group()
+    return best[1]
+
+
 def extract_answer(completion: str) -> str | None:
     """Final answer of a completion, or None.
 
     Priority: last ``<answer>...</answer>``; last balanced ``\\boxed{...}`` or
     ``\\fbox{...}``; text after the last ``####`` (to end of line);
-    ``the answer is X`` / ``answer: X``; the last number (signed integers,
+    ``the answer is X`` / ``answer: X``; the last math span (``\\(...\\)``, ``\\[...\\]``, ``$$...$$``,
+    ``$...$``) unless a number follows it; the last number (signed integers,
     ``1,234`` thousands separators, decimals, ``a/b``). The result is stripped of
     whitespace, ``$`` and a trailing ``.``. Linear time in ``len(completion)``.
     """
     if not isinstance(completion, str):
         return None
-    for finder in (_answer_tag, _last_boxed, _after_hashes, _the_answer_is, _last_number):
+    for finder in (_answer_tag, _last_boxed, _after_hashes, _the_answer_is, _last_math_or_number):
         found = _clean(finder(completion))
         if found is not None:
             return found
@@ -700,6 +733,15 @@ def _parse(code: str):
         transformations=standard_transformations + (implicit_multiplication, convert_xor),
         evaluate=False,
     )
+    return _guarded(expr)
+
+
+def _guarded(expr):
+    """``expr`` evaluated (``doit``) with its decimals made exact, or None if it is not an ``Expr`` or not tame:
+    functions nested deeper than ``MAX_FUNCTION_DEPTH``, towers above ``MAX_POWER_HEIGHT``, or ``_is_tame``
+    failing with its symbols free or bound to 3/2. Both readers (ours and Math-Verify's) go through it."""
+    import sympy
+
     if not isinstance(expr, sympy.Expr) or _function_depth(expr) > MAX_FUNCTION_DEPTH:
         return None
     if _power_height(expr) > MAX_POWER_HEIGHT:
@@ -730,12 +772,41 @@ _POINTS, _MAX_POINTS = 3, 8
 _AGREE_DIGITS = 50
 
 
-def _numbers_close(x, y, rel_tol: float) -> bool:
-    """``|x - y| <= rel_tol * max(|x|, |y|)`` for finite sympy numbers."""
-    vx, vy = complex(x.evalf(30)), complex(y.evalf(30))
-    if not all(math.isfinite(v) for v in (vx.real, vx.imag, vy.real, vy.imag)):
+# A decimal against an exact irrational value states its precision: it must give at least this many places
+# (Math-Verify's default ``float_rounding``), and be within one unit of its last place.
+MIN_STATED_PLACES = 6
+
+
+def _decimal_places(s: str | None) -> int | None:
+    """Places after the point of a plain decimal literal (``3.140`` -> 3), else None (integers, forms)."""
+    if s is None:
+        return None
+    m = re.fullmatch(r"[-+]?[0-9]*\.([0-9]+)", s)
+    return None if m is None else len(m.group(1))
+
+
+def _stated_precision_agrees(x, y, x_text: str | None, y_text: str | None) -> bool:
+    """Whether two constants that are not equal to 50 digits agree at the precision a decimal states.
+
+    One side must be a decimal literal of k >= ``MIN_STATED_PLACES`` places and the other not a decimal
+    or integer literal; they match if they differ by less than 10**-k (``1.414214`` and ``\\sqrt{2}``, either
+    way round). ``3.14`` and ``\\pi`` do not match (as in Math-Verify, which rounds to 6 places), and an
+    integer never matches a value that is not that integer (``10000009000`` and ``10^{10}+\\pi``).
+    """
+    import mpmath
+
+    places = [_decimal_places(x_text), _decimal_places(y_text)]
+    if (places[0] is None) == (places[1] is None):
         return False
-    return abs(vx - vy) <= rel_tol * max(abs(vx), abs(vy))
+    k, other = (places[0], y_text) if places[0] is not None else (places[1], x_text)
+    if k < MIN_STATED_PLACES or other is None or _decimal(other) is not None:
+        return False
+    digits = 30 + k
+    vx = _mp(x.evalf(digits), int(digits * 3.33) + 16)
+    vy = _mp(y.evalf(digits), int(digits * 3.33) + 16)
+    if vx is None or vy is None or not (mpmath.isfinite(vx) and mpmath.isfinite(vy)):
+        return False
+    return abs(vx - vy) < mpmath.mpf(10) ** -k
 
 
 def _degree(expr) -> float:
@@ -828,15 +899,25 @@ def _agree_at_random_points(a, b, symbols: list, exact: bool) -> bool | None:
     return None
 
 
-def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
-    import sympy
-
+def _sympy_equivalent(a: str, b: str) -> bool | None:
+    """Whether answer ``a`` equals reference ``b`` read by our whitelisted reader; None if either is unreadable."""
     code_a, code_b = _to_sympy_syntax(a), _to_sympy_syntax(b)
     if code_a is None or code_b is None:
-        return False
+        return None
     ea, eb = _parse(code_a), _parse(code_b)
     if ea is None or eb is None:
-        return False
+        return None
+    return compare_exprs(ea, eb, a, b)
+
+
+def compare_exprs(ea, eb, answer_text: str | None = None, reference_text: str | None = None) -> bool:
+    """Whether two guarded (``_guarded``) sympy expressions are equal; the texts carry the stated precision.
+
+    With symbols: random points, then ``simplify`` (see ``is_equivalent``). Constants: equal to 50 digits, or
+    at the precision a decimal states (``_stated_precision_agrees``).
+    """
+    import sympy
+
     if ea == eb:
         return True
     diff = ea - eb  # cheap: like terms cancel ((x+1)^{17}+1 - (x+1)^{17} -> 1)
@@ -852,14 +933,14 @@ def _sympy_equivalent(a: str, b: str, rel_tol: float) -> bool:
         if rational or degree > _MAX_SYMBOLIC_POWER:
             return agree is True  # exact at the points, or too large to simplify()
     else:
-        # Constants: a number against a closed form is compared to rel_tol; two closed forms must agree to
-        # 50 digits (pi^{100} vs pi^{100}+sqrt(2)). Numerically first: simplify() can take minutes on a short
+        # Constants must agree to 50 digits (pi^{100} vs pi^{100}+sqrt(2); an integer against a closed form),
+        # else at the precision a decimal states. Numerically first: simplify() can take minutes on a short
         # constant ((sqrt 2+sqrt 3+sqrt 5+sqrt 7)^{99}); it only decides what the digits cannot.
-        if ea.is_Rational or eb.is_Rational:
-            return _numbers_close(ea, eb, rel_tol)
         agree = _agree_at(ea, eb, {}, exact=False)
-        if agree is not None:
-            return agree
+        if agree is True:
+            return True
+        if agree is False or ea.is_Rational or eb.is_Rational:
+            return _stated_precision_agrees(ea, eb, answer_text, reference_text)
     if sympy.simplify(diff) == 0:
         return True
     # simplify() keeps log(x^3) - 3 log(x) for complex x; on the real domain they are equal.
@@ -913,7 +994,7 @@ def _expand_plus_minus(s: str) -> str | None:
     return f"{s[:sign.start()]}+{s[sign.end():]},{s[:sign.start()]}-{s[sign.end():]}"
 
 
-def _equivalent(a: str, b: str, rel_tol: float) -> bool:
+def _equivalent(a: str, b: str) -> bool:
     a, b = normalize_answer(a), normalize_answer(b)
     if not a or not b:
         return False
@@ -936,15 +1017,20 @@ def _equivalent(a: str, b: str, rel_tol: float) -> bool:
                 sa[0] != sb[0] and not (sa[0] in unordered and sb[0] in unordered)):
             return False
         if sa[0] not in ("set", ""):  # tuples and intervals in order; sets and bare lists ("1, 2") in any
-            return all(_equivalent(x, y, rel_tol) for x, y in zip(sa[1], sb[1]))
+            return all(_equivalent(x, y) for x, y in zip(sa[1], sb[1]))
         unmatched = list(sb[1])
         for x in sa[1]:
-            hit = next((k for k, y in enumerate(unmatched) if _equivalent(x, y, rel_tol)), None)
+            hit = next((k for k, y in enumerate(unmatched) if _equivalent(x, y)), None)
             if hit is None:
                 return False
             unmatched.pop(hit)
         return True
-    return _sympy_equivalent(a, b, rel_tol)
+    verdict = _sympy_equivalent(a, b)
+    if verdict is None:  # LaTeX our reader refuses (matrices, unions, \\binom...): Math-Verify reads it
+        from jaxrl.rewards.math_library import library_equivalent
+
+        verdict = library_equivalent(a, b)
+    return verdict
 
 
 # A multiple-choice letter leading an answer: "(B)", "(b)", "b)", "B", "B." or "B:" before a space or the
@@ -972,7 +1058,7 @@ def _leading_choice(s: str) -> tuple[str, str] | None:
     return next(g for g in m.groups()[:4] if g).upper(), m.group(5)
 
 
-def _choice_equivalent(a: str, b: str, rel_tol: float) -> bool | None:
+def _choice_equivalent(a: str, b: str) -> bool | None:
     """Multiple choice: a bare letter (``B``, ``(B)``) matches an answer that leads with that letter in any
     case (``b``, ``(b)``, ``B) 12``, ``Option B``); two answers leading with letters match if the letters do;
     a letter with a value matches a plain value equal to its value. None (compare as usual) otherwise."""
@@ -984,10 +1070,10 @@ def _choice_equivalent(a: str, b: str, rel_tol: float) -> bool | None:
     if bare is not None or (choice_a is not None and choice_b is not None):
         return choice_a is not None and choice_b is not None and choice_a[0] == choice_b[0]
     _, value = choice_a or choice_b
-    return True if value and _equivalent(value, b if choice_a else a, rel_tol) else None
+    return True if value and _equivalent(value, b if choice_a else a) else None
 
 
-def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool:
+def is_equivalent(answer: str, reference: str) -> bool:
     """Whether ``answer`` and ``reference`` denote the same mathematical value.
 
     Fast paths: equal normalised strings; two purely alphabetic words of 2+
@@ -1008,10 +1094,14 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
     undefined are skipped): any disagreement gives False, agreement gives True
     for rational functions and for degrees above 16, and otherwise must be
     confirmed by ``simplify(a - b) == 0``, or, for the real domain, by ``simplify`` with positive symbols and
-    agreement at points with negative coordinates where every subexpression of both is real. Without symbols, a plain number
-    against a closed form is compared to ``rel_tol`` (``\\pi/2`` ==
-    ``1.5707963267948966``) and two closed forms must agree to 50 digits
-    (``simplify(a - b) == 0`` decides only where they cannot be evaluated).
+    agreement at points with negative coordinates where every subexpression of both is real. Without symbols,
+    two values must agree to 50 digits (so an integer never matches a closed form that is not that integer:
+    ``10000009000`` != ``10^{10}+\\pi``, ``485165000`` != ``e^{20}``), or at the precision a decimal states:
+    a decimal (answer or reference) with at least ``MIN_STATED_PLACES`` places within one unit of its last
+    place of an irrational value (``1.414214`` == ``\\sqrt{2}``; ``3.14`` != ``\\pi`` either way round, as
+    Math-Verify rounds to 6 places). Rationals compare exactly (``0.333333`` != ``\\frac13``). ``simplify(a - b) == 0`` decides only where the values cannot be evaluated.
+    LaTeX our reader refuses (matrices, unions of intervals, ``\\binom``...) is read by Math-Verify
+    (``jaxrl.rewards.math_library``) and compared by the same rules, element by element.
     Anything that fails, raises or is undefined (``1/0``, nan) gives False.
     """
     try:
@@ -1019,8 +1109,8 @@ def is_equivalent(answer: str, reference: str, *, rel_tol: float = 1e-6) -> bool
             reference = str(reference)
         if not isinstance(answer, str) or not isinstance(reference, str):
             return False
-        choice = _choice_equivalent(answer, reference, rel_tol)
-        return _equivalent(answer, reference, rel_tol) if choice is None else choice
+        choice = _choice_equivalent(answer, reference)
+        return _equivalent(answer, reference) if choice is None else choice
     except Exception:  # noqa: BLE001 - graders must never crash training
         return False
 
