@@ -265,7 +265,7 @@ NOT_EQUIVALENT = [
     (r"e^{x}x^{100}", r"e^{x}x^{100}+1"),
     (r"(2\sin x\cos x)^{17}", r"\sin(2x)^{17}+10^{-20}"),
     (r"e^{x}x^{-999}", r"2e^{x}x^{-999}"),
-    (r"\pi^{100}", r"\pi^{100}+\sqrt{2}"),  # two closed forms: no rel_tol
+    (r"\pi^{100}", r"\pi^{100}+\sqrt{2}"),  # two closed forms: no tolerance
     (r"3.14159x^{17}", r"\pi x^{17}"),
     # root index: only an integer 2..99 (\sqrt[1/999]{9} is 9^999)
     (r"\sqrt[1/999]{9}", "9^{999}"),
@@ -662,3 +662,78 @@ def test_pool_timeout_unwinds_the_reward_function(tmp_path):
         result = pool.score(["x"], [str(touched)])
     assert (result.timeouts, result.errors) == (1, 0)
     assert touched.exists()
+
+
+# Numbers against closed forms: 50 digits, or the precision a decimal states (>= MIN_STATED_PLACES places).
+@pytest.mark.parametrize("answer,reference,expected", [
+    ("10000009000", r"10^{10}+\pi", False),  # off by 8,997: the old 1e-6 relative tolerance passed it
+    ("485165000", "e^{20}", False),
+    ("485165195", "e^{20}", False),  # an integer never matches a closed form that is not that integer
+    ("485165195.409790", "e^{20}", True),  # 6 places, within one unit of the last
+    ("485165195.409792", "e^{20}", False),  # 1.7e-6 off: more than one unit of the 6th place
+    ("3.14", r"\pi", False),  # too coarse, either way round (as Math-Verify, which rounds to 6 places)
+    (r"\pi", "3.14", False),
+    ("3.141593", r"\pi", True),
+    (r"\pi", "3.141593", True),
+    ("0.333333", r"\frac13", False),  # rationals compare exactly
+    ("10000000003", r"10^{10}+3", True),
+])
+def test_numbers_respect_stated_precision(answer, reference, expected):
+    assert is_equivalent(answer, reference) is expected
+
+
+# Math-Verify reads what our reader refuses; jaxrl compares what it read.
+@pytest.mark.parametrize("answer,reference,expected", [
+    (r"(3,4)\cup(1,2)", r"(1,2)\cup(3,4)", True),
+    (r"(1,2)\cup(3,4)", r"(1,2)\cup[3,4]", False),
+    (r"\begin{pmatrix}1&2\\3&4\end{pmatrix}", r"\begin{bmatrix}1&2\\3&4\end{bmatrix}", True),
+    (r"\begin{pmatrix}\frac12&2\end{pmatrix}", r"\begin{pmatrix}0.5&2\end{pmatrix}", True),
+    (r"\begin{pmatrix}1&2\end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", False),  # shape
+    (r"\begin{pmatrix}2^{-40}\end{pmatrix}", r"\begin{pmatrix}0\end{pmatrix}", False),  # no chop to 0
+    (r"\binom{5}{2}", "10", True),
+    (r"\frac{1}{2006!}", r"\frac{1}{2004!}", False),  # Math-Verify issue 14: tiny values
+    (r"4\sqrt(2)", "4", False),  # issue 41: a partial read
+    ("3x+4y+14=0", "3x-y+13=0", False),  # issue 60: relations are never handed to it
+    (r"\sqrt[1/999]{9}", "9^{999}", False),
+])
+def test_library_path(answer, reference, expected):
+    assert is_equivalent(answer, reference) is expected
+
+
+def test_library_refuses_towers_before_parsing_fast():
+    from jaxrl.rewards.math_library import library_parse
+
+    start = time.perf_counter()
+    for s in (r"\dfrac{5^{\left(5^{\left(5^{\left(5^5\right)}\right)} - 4\right)} - 5}{16}",  # issue 65
+              r"\begin{pmatrix}9^{9^{9}}\end{pmatrix}", r"\binom{99999}{50000}", r"\begin{pmatrix}9^{1234}\end{pmatrix}",
+              r"\sum_{k=1}^{10^9} k", "{" * 20 + "1" + "}" * 20):
+        assert library_parse(s) is None, s
+    assert time.perf_counter() - start < 1.0
+
+
+def test_library_path_works_in_threads_and_keeps_our_timeout():
+    # Math-Verify's own signal timeouts raise ValueError in a thread (verify() would say False): off here.
+    import concurrent.futures
+
+    pair = (r"\boxed{\begin{pmatrix}1&2\end{pmatrix}}", r"\begin{bmatrix}1&2\end{bmatrix}")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda _: math_verify(*pair), range(4))) == [1.0] * 4
+    # In the main thread our alarm stays armed across a library call (it never re-arms or cancels it).
+    import signal
+
+    from jaxrl.rewards.timeout import call_with_timeout
+
+    assert call_with_timeout(math_verify, pair, 5.0, default=-1.0) == 1.0
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+@pytest.mark.parametrize("completion,expected", [
+    (r"So we get \(x = 18\)", "x = 18"),
+    ("Hence\n$$\n\\frac{1}{2}\n$$", r"\frac{1}{2}"),
+    ("The result:\n\\[\n(1,2)\\cup(3,4)\n\\]", r"(1,2)\cup(3,4)"),
+    ("Therefore we get $\\sqrt{2}$", r"\sqrt{2}"),
+    ("Let $x$ be the count; then the count is 5", "5"),  # a number after the last span wins
+    ("It costs $5 and $10, so 15 in all", "15"),  # currency, not math
+])
+def test_extract_unboxed_math(completion, expected):
+    assert extract_answer(completion) == expected

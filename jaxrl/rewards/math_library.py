@@ -91,6 +91,16 @@ def _squash(s: str) -> str:
     return re.sub(r"\s+|\\[,;:! ]|\\(?:left|right)(?![A-Za-z])|[{}$]", "", s)
 
 
+class _OurTimeoutsApply:
+    """Drops the library's one-time warning that its timeouts are off: jaxrl's hard timeouts apply instead."""
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_QUIET = _OurTimeoutsApply()
+
+
 def library_parse(s: str):
     """The sympy object Math-Verify reads from the LaTeX answer ``s`` (no ``$`` needed), or None.
 
@@ -98,7 +108,11 @@ def library_parse(s: str):
     """
     if not isinstance(s, str) or _refuse(s):
         return None
+    import logging
+
     from math_verify import LatexExtractionConfig, parse
+
+    logging.getLogger("math_verify.parser").addFilter(_QUIET)  # idempotent: a filter is added once
 
     try:
         found = parse(f"${s}$", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
