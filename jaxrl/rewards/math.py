@@ -1152,11 +1152,14 @@ def arithmetic_reward(completion: str, reference: str) -> float:
 
 
 def warm_up() -> None:
-    """Load and run the symbolic checker once: sympy's import and parser take 0.2-0.7 s in a fresh process on
+    """Load and run the symbolic checker and Math-Verify's reader once: sympy's import and parser take 0.2-0.7 s in a fresh process on
     a 2-core CPU (longer where sympy's bytecode is not cached). `RewardPool` workers call this before they
     report ready (the `warm_up` attribute below), so the cost never falls inside an item's timeout."""
     if not is_equivalent("x + 1", "1 + x"):
         raise RuntimeError("the symbolic answer checker failed its warm-up comparison (x + 1 == 1 + x)")
+    # Math-Verify's reader (latex2sympy2 + ANTLR) takes another ~0.4 s to import and build its parser.
+    if not is_equivalent(r"\begin{pmatrix}\frac12\end{pmatrix}", r"\begin{bmatrix}0.5\end{bmatrix}"):
+        raise RuntimeError("the Math-Verify answer reader failed its warm-up comparison (pmatrix 1/2 == bmatrix 0.5)")
 
 
 math_verify.warm_up = warm_up

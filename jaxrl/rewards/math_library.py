@@ -43,6 +43,8 @@ _LONG_DIGITS_RE = re.compile(r"[0-9]{4,}")
 # small token. Towers and long exponents are left to our own reader, which bounds them before evaluating.
 _SMALL_EXPONENT_RE = re.compile(
     r"[-+]?(?:[0-9]{1,3}|[A-Za-z]|\\pi|\\circ|\\prime|\\frac\{[0-9]{1,2}\}\{[0-9]{1,2}\}|[0-9]{1,2}/[0-9]{1,2}|T)")
+# A matrix raised to a power is multiplied out while parsing (symbolic entries grow without bound).
+_MATRIX_POWER_RE = re.compile(r"\\end\s*\{[A-Za-z*]*\}\s*\^")
 # \sqrt[n]{x}: an integer index 2..99 only (\sqrt[1/999]{9} is 9^{999}).
 _ROOT_INDEX_RE = re.compile(r"\\sqrt\s*\[(?!\s*(?:[2-9]|[1-9][0-9])\s*\])")
 
@@ -75,7 +77,7 @@ def _refuse(s: str) -> bool:
 
     if not s or len(s) > MAX_PARSE_CHARS or s.count("^") > MAX_LIBRARY_POWERS or _REFUSED_RE.search(s):
         return True
-    if _ROOT_INDEX_RE.search(s) or not _exponents_small(s):
+    if _ROOT_INDEX_RE.search(s) or _MATRIX_POWER_RE.search(s) or not _exponents_small(s):
         return True
     if _COMBINATORIAL_RE.search(s) and ("^" in s or _LONG_DIGITS_RE.search(s)):
         return True
@@ -138,6 +140,20 @@ def _matched(xs: list, ys: list, same) -> bool:
     return True
 
 
+def _union_parts(union) -> list:
+    """The sets a (possibly nested, unevaluated) ``Union`` joins: ``A ∪ (B ∪ C)`` -> ``[A, B, C]``."""
+    import sympy
+
+    parts, stack = [], [union]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, sympy.Union):
+            stack.extend(node.args)
+        else:
+            parts.append(node)
+    return parts
+
+
 def _same(a, b) -> bool:
     """Structural equality of two library-read objects; numbers and expressions by ``compare_exprs``."""
     import sympy
@@ -154,7 +170,7 @@ def _same(a, b) -> bool:
                 and _same(a.start, b.start) and _same(a.end, b.end))
     if isinstance(a, sympy.Union) or isinstance(b, sympy.Union):
         return (isinstance(a, sympy.Union) and isinstance(b, sympy.Union)
-                and _matched(list(a.args), list(b.args), _same))
+                and _matched(_union_parts(a), _union_parts(b), _same))
     if isinstance(a, sympy.FiniteSet) or isinstance(b, sympy.FiniteSet):
         return (isinstance(a, sympy.FiniteSet) and isinstance(b, sympy.FiniteSet)
                 and _matched(list(a.args), list(b.args), _same))
