@@ -737,3 +737,15 @@ def test_library_path_works_in_threads_and_keeps_our_timeout():
 ])
 def test_extract_unboxed_math(completion, expected):
     assert extract_answer(completion) == expected
+
+
+def test_pool_scores_library_read_answers():
+    """Pool workers (spawned, reward code in their main thread) read matrices and unions through Math-Verify,
+    with its signal timeouts off: the pool's kill is the hard limit."""
+    completions = [r"\boxed{\begin{pmatrix}\frac12&2\end{pmatrix}}", r"So $(3,4)\cup(1,2)$", r"\boxed{(3,4)\cup(1,3)}",
+                   r"\boxed{\dfrac{5^{\left(5^{\left(5^{\left(5^5\right)}\right)} - 4\right)} - 5}{16}}"]
+    references = [r"\begin{bmatrix}0.5&2\end{bmatrix}", r"(1,2)\cup(3,4)", r"(1,2)\cup(3,4)", "1"]
+    with RewardPool(math_verify, num_workers=2, timeout_s=5.0) as pool:
+        result = pool.score(completions, references)
+    np.testing.assert_array_equal(result.rewards, [1, 1, 0, 0])
+    assert (result.timeouts, result.errors) == (0, 0)
