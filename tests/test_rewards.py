@@ -749,3 +749,19 @@ def test_pool_scores_library_read_answers():
         result = pool.score(completions, references)
     np.testing.assert_array_equal(result.rewards, [1, 1, 0, 0])
     assert (result.timeouts, result.errors) == (0, 0)
+
+
+def _library_then_sleep(seconds):
+    from jaxrl.rewards.math_library import library_parse
+
+    assert library_parse(r"\begin{pmatrix}1&2\end{pmatrix}") is not None
+    time.sleep(seconds)
+    return "finished"
+
+
+def test_library_call_keeps_our_deadline():
+    # With Math-Verify's default timeouts, its signal.alarm() re-arms and then cancels the timer our deadline
+    # uses, and this call would run its full 3 s. Ours is kept: it ends at the 0.5 s deadline.
+    start = time.perf_counter()
+    assert call_with_timeout(_library_then_sleep, (3.0,), 0.5, default="timed out") == "timed out"
+    assert time.perf_counter() - start < 2.0
