@@ -241,6 +241,11 @@ EQUIVALENT = [
     (r"\ln(x^2)", r"2\ln(x)"),
     (r"\sqrt{x}\sqrt{y}", r"\sqrt{xy}"),
     (r"\log(xy)", r"\log x+\log y"),
+    # a one-element set is its element; an odd root of a negative number is the real root
+    (r"\{1\}", "1"),
+    (r"\{\frac12\}", "0.5"),
+    (r"\sqrt[3]{-8}", "-2"),
+    (r"\sqrt[5]{-32}", "-2"),
 ]
 
 NOT_EQUIVALENT = [
@@ -331,6 +336,11 @@ NOT_EQUIVALENT = [
     (r"\sqrt{x^2}", "x"),  # |x|: both real at x < 0, and they differ there
     (r"\sqrt{x^2 y}", r"x\sqrt{y}"),
     (r"\log(x^3)", r"2\log x"),
+    (r"\{1\}", "2"),
+    (r"\{1, 2\}", "1"),
+    (r"\{\{1\}\}", "1"),
+    (r"\sqrt[3]{-8}", "2"),
+    (r"\sqrt[4]{-16}", "-2"),
 ]
 
 

@@ -519,7 +519,11 @@ def _latex_to_sympy(s: str) -> str | None:
             if k is None:
                 return None
             body = s[j + 1 : k - 1]
-            repl = f" sqrt({body})" if index is None else f" root({body},{index})"
+            negative = re.fullmatch(r"\s*-\s*([0-9]+(?:\.[0-9]+)?)\s*", body)
+            if index is not None and int(index) % 2 == 1 and negative is not None:
+                repl = f" (-root({negative.group(1)},{index}))"  # the real odd root: \sqrt[3]{-8} is -2
+            else:
+                repl = f" sqrt({body})" if index is None else f" root({body},{index})"
             s = s[:i] + repl + s[k:]
     # "\sin^2 x", "\cos^{2}(x)" -> "(\sin(x))^{2}"; not "\sin^{-1}" (arcsin)
     s = re.sub(
@@ -994,6 +998,17 @@ def _expand_plus_minus(s: str) -> str | None:
     return f"{s[:sign.start()]}+{s[sign.end():]},{s[:sign.start()]}-{s[sign.end():]}"
 
 
+def _lone_element(s: str, other: str) -> str:
+    """``x`` for a one-element set ``\\{x\\}`` (or ``{x}``) when ``other`` is not a set; else ``s``."""
+    seq = _as_sequence(other)
+    if seq is not None and seq[0] == "set" or other.startswith("\\{"):
+        return s
+    inner = s[2:-2] if s.startswith("\\{") and s.endswith("\\}") else None
+    if inner is None or _split_top_level(inner) != [inner] or not inner.strip():
+        return s
+    return inner
+
+
 def _equivalent(a: str, b: str) -> bool:
     a, b = normalize_answer(a), normalize_answer(b)
     if not a or not b:
@@ -1001,6 +1016,7 @@ def _equivalent(a: str, b: str) -> bool:
     if a == b:
         return True
     a, b = _expand_plus_minus(a) or a, _expand_plus_minus(b) or b  # one \pm: the list of both values
+    a, b = _lone_element(a, b), _lone_element(b, a)  # the set \{1\} and the value 1 name one answer
     if len(a) > MAX_PARSE_CHARS or len(b) > MAX_PARSE_CHARS:
         return False
     if _WORD_RE.fullmatch(a) and _WORD_RE.fullmatch(b):
