@@ -14,6 +14,10 @@ Documented decisions encoded in the corpus:
 * text answers (alphabetic words) compare case-insensitively, never
   symbolically; ``\\text{(B)}`` == ``(B)`` == ``B``.
 * an unbalanced ``\\boxed{5`` is ignored and the last-number fallback applies.
+* numbers against closed forms: equal to 50 digits, or at the precision a decimal states (6+ places):
+  ``10000009000`` != ``10^{10}+\\pi``, ``485165000`` != ``e^{20}``, ``3.14`` != ``\\pi``.
+* Math-Verify's known false positives and hangs (its GitHub issues 14, 41, 60, 65: tiny values, partial
+  reads, relations, power towers) each have a case scoring 0; what it reads (unions, matrices) scores 1.
 """
 
 import collections

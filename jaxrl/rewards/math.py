@@ -8,6 +8,11 @@ tree is valued bottom-up at low precision before anything is evaluated exactly
 or simplified (``_is_tame``). sympy is imported lazily so that
 ``import jaxrl.rewards`` stays fast.
 
+LaTeX that this whitelist refuses (matrices, unions of intervals, ``\\binom``, ``\\left|x\\right|``...) is
+read by Hugging Face's Math-Verify (``jaxrl.rewards.math_library``), bounded before and after it parses, and
+compared here by the same rules. Its own signal-based timeouts are off (they break in threads and cancel
+the timer of ``jaxrl.rewards.timeout``); the pool's kill and ``math_verify(..., timeout=)`` are the limits.
+
 All scanning is linear-time (no backtracking-prone regexes, no recursion over
 the input), so megabyte-sized or deeply nested completions return quickly.
 """

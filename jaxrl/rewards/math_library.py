@@ -33,7 +33,7 @@ MAX_BRACE_DEPTH = 12
 # Big-operator and special-function commands whose parse or evaluation is unbounded or open-ended.
 _REFUSED_RE = re.compile(
     r"\\(?:sum|prod|int|iint|iiint|oint|lim|limsup|liminf|partial|nabla|Gamma|zeta|operatorname|mathrm\s*\{\s*d\s*\}"
-    r"|ldots|cdots|dots|vdots|ddots)(?![A-Za-z])|:|;|=|<|>|\\(?:le|ge|leq|geq|ne|neq|lt|gt|approx|equiv|to|rightarrow"
+    r"|ldots|cdots|dots|vdots|ddots)(?![A-Za-z])|[:;=<>_]|\\(?:le|ge|leq|geq|ne|neq|lt|gt|approx|equiv|to|rightarrow"
     r"|implies|iff|land|lor|wedge|vee|neg|forall|exists)(?![A-Za-z])"
 )
 # Factorials and binomials are evaluated while parsing: only with no power and small integers.
