@@ -399,6 +399,17 @@ ADVERSARIAL = {
     "blank_lines_after_units": "<answer>5\\text{cm}" + "\n" * 200_000 + "x</answer>",
     "blank_after_caret": "<answer>5^" + " " * 200_000 + "x</answer>",
     "long_mixed_number": "<answer>1\\frac{1}{" + "9" * 5000 + "}</answer>",
+    # unboxed math spans: every rfind is linear, however many delimiters
+    "one_mb_dollars": "$" * 1_000_000,
+    "one_mb_escaped_dollars": "\\$" * 500_000,
+    "one_mb_math_spans": "$a$ " * 250_000,
+    "one_mb_paren_openers": "\\(" * 500_000 + "2\\)",
+    "one_mb_display": "$$" * 500_000,
+    # Math-Verify's reader: towers, huge factorials and matrix powers are refused before it parses
+    "library_tower": r"\boxed{\dfrac{5^{\left(5^{\left(5^{\left(5^5\right)}\right)} - 4\right)} - 5}{16}}",
+    "library_matrix_power": r"\boxed{\begin{pmatrix}x&y\\z&w\end{pmatrix}^{999}}",
+    "library_factorial": r"\boxed{\begin{pmatrix}99999!\end{pmatrix}}",
+    "library_binom": r"\boxed{\binom{10^{9}}{10^{8}}}",
     "invalid_utf8": b"\xff\xfe so \\boxed{\xc3\x28} #### \xed\xa0\x80 1".decode(
         "utf-8", "surrogateescape"
     ),
