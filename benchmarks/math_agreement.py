@@ -50,6 +50,8 @@ def main() -> None:
     rows = load(args.pairs)
     verifiers = {"jaxrl": math_verify, "math_verify_alone": math_verify_alone}
     hits = {name: collections.Counter() for name in verifiers}
+    format_hits = {name: collections.Counter() for name in verifiers}
+    formats = collections.Counter(row["format"] for row in rows)
     seconds = dict.fromkeys(verifiers, 0.0)
     totals = collections.Counter(row["kind"] for row in rows)
     for row in rows:
@@ -59,6 +61,7 @@ def main() -> None:
             seconds[name] += time.perf_counter() - start
             if got == float(row["label"]):
                 hits[name][row["kind"]] += 1
+                format_hits[name][row["format"]] += 1
             elif args.show_misses:
                 print(f"MISS {name}: label={row['label']} {row['completion']!r} vs {row['reference']!r}")
     n = len(rows)
@@ -74,6 +77,10 @@ def main() -> None:
         print(f"{kind:<12} {totals[kind]:>5} {hits['jaxrl'][kind] / totals[kind]:>7.3f} "
               f"{hits['math_verify_alone'][kind] / totals[kind]:>12.3f}")
     print(f"{'all':<12} {n:>5} {summary['jaxrl_agreement']:>7.3f} {summary['math_verify_alone_agreement']:>12.3f}")
+    print(f"\n{'format':<16} {'pairs':>5} {'jaxrl':>7} {'math_verify':>12}")  # <answer> tags are not its format
+    for fmt in sorted(formats):
+        print(f"{fmt:<16} {formats[fmt]:>5} {format_hits['jaxrl'][fmt] / formats[fmt]:>7.3f} "
+              f"{format_hits['math_verify_alone'][fmt] / formats[fmt]:>12.3f}")
 
 
 if __name__ == "__main__":
