@@ -246,6 +246,11 @@ EQUIVALENT = [
     (r"\{\frac12\}", "0.5"),
     (r"\sqrt[3]{-8}", "-2"),
     (r"\sqrt[5]{-32}", "-2"),
+    # a function's argument is the number and letter after it, as typeset: \cos 2x is cos(2x)
+    (r"\cos 2x", r"\cos^2 x-\sin^2 x"),
+    (r"\sin 2x", r"2\sin x\cos x"),
+    ("10!", "3628800"),  # factorials and binomials of small integers, read by Math-Verify
+    (r"\binom{10}{3}", "120"),
 ]
 
 NOT_EQUIVALENT = [
@@ -341,6 +346,10 @@ NOT_EQUIVALENT = [
     (r"\{\{1\}\}", "1"),
     (r"\sqrt[3]{-8}", "2"),
     (r"\sqrt[4]{-16}", "-2"),
+    (r"\sin 2x", r"2\sin x"),
+    ("10!", "3628801"),
+    ("1000!", "1"),  # beyond MAX_COMBINATORIAL_ARGUMENT (refused, not evaluated)
+    ("n!", "1"),
 ]
 
 

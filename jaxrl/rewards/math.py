@@ -544,9 +544,10 @@ def _latex_to_sympy(s: str) -> str | None:
         lambda m: f"\\log({m.group(3)},{m.group(1) or m.group(2)})",
         s,
     )
-    # "\ln 2", "\sin x", "\cos\pi" -> call syntax
+    # "\ln 2", "\sin x", "\cos\pi", "\cos 2x" (the argument is 2x, as in print) -> call syntax
     s = re.sub(
-        r"\\(ln|log|sin|cos|tan|exp) ?([0-9]+(?:\.[0-9]+)?|\\pi(?![A-Za-z])|[A-Za-z](?![A-Za-z]))",
+        r"\\(ln|log|sin|cos|tan|exp) ?([0-9]+(?:\.[0-9]+)?(?:[A-Za-z](?![A-Za-z]))?|\\pi(?![A-Za-z])"
+        r"|[A-Za-z](?![A-Za-z]))",
         r"\\\1(\2)",
         s,
     )

@@ -30,6 +30,7 @@ __all__ = ["library_equivalent", "library_parse"]
 # Bounds on what is handed to the library (on top of jaxrl.rewards.math.MAX_PARSE_CHARS).
 MAX_LIBRARY_POWERS = 6  # "^" per answer: towers such as 5^{5^{5^{5^5}}} hang its parser (issue #65)
 MAX_BRACE_DEPTH = 12
+MAX_COMBINATORIAL_ARGUMENT = 999  # n! and binomials of integers up to this (999! has 2,565 digits)
 # Big-operator and special-function commands whose parse or evaluation is unbounded or open-ended.
 _REFUSED_RE = re.compile(
     r"\\(?:sum|prod|int|iint|iiint|oint|lim|limsup|liminf|partial|nabla|Gamma|zeta|operatorname|mathrm\s*\{\s*d\s*\}"
@@ -191,8 +192,13 @@ def _allowed(expr) -> bool:
 
     allowed = (sympy.Number, sympy.NumberSymbol, sympy.Symbol, sympy.Add, sympy.Mul, sympy.Pow, sympy.exp,
                sympy.log, sympy.sin, sympy.cos, sympy.tan, sympy.Abs)
-    return all(isinstance(node, allowed) or node in (sympy.I, sympy.oo, -sympy.oo, sympy.zoo)
-               for node in sympy.preorder_traversal(expr))
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, (sympy.factorial, sympy.binomial)):  # of small integers only: 10!, \binom{10}{3}
+            if not all(isinstance(a, sympy.Integer) and 0 <= a <= MAX_COMBINATORIAL_ARGUMENT for a in node.args):
+                return False
+        elif not (isinstance(node, allowed) or node in (sympy.I, sympy.oo, -sympy.oo, sympy.zoo)):
+            return False
+    return True
 
 
 def library_equivalent(answer: str, reference: str) -> bool:
