@@ -1180,6 +1180,11 @@ def warm_up() -> None:
     if not is_equivalent("x + 1", "1 + x"):
         raise RuntimeError("the symbolic answer checker failed its warm-up comparison (x + 1 == 1 + x)")
     # Math-Verify's reader (latex2sympy2 + ANTLR) takes another ~0.4 s to import and build its parser.
+    try:
+        import math_verify as _  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("math-verify is not installed (pip install 'math-verify>=0.9,<0.10'); jaxrl reads "
+                           "matrices, unions of intervals and binomials with it") from e
     if not is_equivalent(r"\begin{pmatrix}\frac12\end{pmatrix}", r"\begin{bmatrix}0.5\end{bmatrix}"):
         raise RuntimeError("the Math-Verify answer reader failed its warm-up comparison (pmatrix 1/2 == bmatrix 0.5)")
 
