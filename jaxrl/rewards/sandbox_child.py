@@ -39,6 +39,7 @@ import math
 import os
 import resource
 import signal
+import struct
 import sys
 
 NOBODY = 65534
@@ -57,11 +58,18 @@ _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _NAMESPACE_FLAGS = {"mnt": _CLONE_NEWNS, "pid": _CLONE_NEWPID, "ipc": _CLONE_NEWIPC, "net": _CLONE_NEWNET}
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+# statvfs f_flag bits that a read-only remount of a bind must keep (they may be locked): same values as MS_*
+_KEEP_FLAGS = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | 1024 | 2048 | 4096  # + noatime, nodiratime, relatime
+_MNT_DETACH = 2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # no glibc wrapper
+_ROOT_TMPFS = "size=1m,mode=711"  # the skeleton root: only dirs, empty files and mount points
+_DEVICES = ("null", "zero", "random", "urandom")
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 22, 38
 _LIMITS = ("wall_time_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_processes")
+_SETTINGS = ("namespaces", "no_fork", "root", "hide", "seccomp", "tmpdir", "report_fd", "parent_pid")
 
 # seccomp (<linux/seccomp.h>, <linux/filter.h>, <linux/audit.h>). Per machine: the AUDIT_ARCH value
 # in seccomp_data.arch, the syscalls refused outright (nr -> errno), clone's nr, and the first nr of a
@@ -103,6 +111,25 @@ def _mount(source, target, fstype, flags, data=None) -> None:
     if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _bind_read_only(source: str, target: str) -> None:
+    """Bind the host path ``source`` (file or dir, recursively) read-only at ``target`` (relative), creating it."""
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600))
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+    # A bind ignores MS_RDONLY: remount it, keeping the flags it has (a user namespace may not drop them).
+    keep = os.statvfs(target).f_flag & _KEEP_FLAGS
+    _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep)
 
 
 def _write(path: str, text: str) -> None:
@@ -161,27 +188,29 @@ def no_fork_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
     return out + [(_BPF["ret"], 0, 0, k) for k in returns.values()]
 
 
-def _forbid_new_processes() -> bool:
-    """Install ``no_fork_filter`` for this machine (inherited through exec); whether it is in place."""
+def _install_filter(prog: bytes) -> bool:
+    """Install the seccomp filter ``prog`` (``struct sock_filter`` array) on this process (inherited through
+    fork and exec, never removed); whether it is in place."""
     libc = _load_libc()
-    prog = no_fork_filter(os.uname().machine)
-    if libc is None or prog is None:
+    if libc is None or not prog or len(prog) % 8:
         return False
 
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
-                    ("k", ctypes.c_uint32)]
-
     class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
-    insns = (SockFilter * len(prog))(*(SockFilter(*insn) for insn in prog))
-    fprog = SockFprog(len(prog), insns)
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_char_p))
     one, zero = ctypes.c_ulong(1), ctypes.c_ulong(0)
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, one, zero, zero, zero) != 0:
         return False
     mode = ctypes.c_ulong(_SECCOMP_MODE_FILTER)
     return libc.prctl(_PR_SET_SECCOMP, mode, ctypes.byref(fprog), zero, zero) == 0
+
+
+def _forbid_new_processes() -> bool:
+    """Install ``no_fork_filter`` for this machine (the fallback where libseccomp is missing)."""
+    prog = no_fork_filter(os.uname().machine)
+    return prog is not None and _install_filter(b"".join(struct.pack("=HBBI", *insn) for insn in prog))
 
 
 def _forbid_detached_shm() -> None:
@@ -250,6 +279,10 @@ class Confinement:
             raise ValueError(f"unknown namespaces {sorted(unknown)}")
         self.no_fork = spec["no_fork"] == "1"
         self.tmpdir = spec["tmpdir"]
+        # The minimal root: host paths bound read-only at their own paths, dirs hidden under an empty tmpfs.
+        self.root = [p for p in spec["root"].split(os.pathsep) if p]
+        self.hide = [p for p in spec["hide"].split(os.pathsep) if p]
+        self.seccomp = bytes.fromhex(spec["seccomp"])
         self.parent_pid = int(spec["parent_pid"])
         self.is_root = os.geteuid() == 0
         self.user_namespace = False  # whether _enter_user_namespace made us root in a user namespace
@@ -279,7 +312,12 @@ class Confinement:
             pid = os.fork()
             if pid:
                 _wait_and_mirror(pid, reap_all=True)  # G, pid 1 in the namespace
-        if "mnt" in got:  # H from here on
+        if self.root and "mnt" not in got:  # never run with the host's files when a root was asked for
+            raise RuntimeError("a minimal root was asked for, but no mount namespace was granted")
+        if "mnt" in got and self.root:  # H from here on
+            self._build_root(fresh_proc="pid" in got)
+            got.add("root")
+        elif "mnt" in got:
             try:
                 self._mount_private_dirs(fresh_proc="pid" in got)
             except OSError:
@@ -300,7 +338,11 @@ class Confinement:
                 raise RuntimeError("failed to drop privileges")
         if "pid" not in got:
             self._die_with_caller()  # P is H: the uid change cleared the signal
-        if self.no_fork and _forbid_new_processes():  # last: nothing after it needs a new process
+        # Last: nothing after it needs a new process or a mount.
+        if self.seccomp:
+            if _install_filter(self.seccomp):
+                got |= {"seccomp", "nofork"} if self.no_fork else {"seccomp"}
+        elif self.no_fork and _forbid_new_processes():
             got.add("nofork")
         # Backstop should the death signal be unavailable; inherited through exec, the caller kills first.
         signal.alarm(math.ceil(self.limits["wall_time_s"]) + 1)
@@ -343,6 +385,53 @@ class Confinement:
             if must:
                 raise RuntimeError(f"cannot leave the root of the sandbox's user namespace: {e}") from e
 
+    def _build_root(self, fresh_proc: bool) -> None:
+        """Make a read-only tmpfs holding only ``self.root`` (bound read-only at their own paths), a minimal
+        ``/dev``, ``/proc``, tmpfs ``/tmp`` and ``/dev/shm`` and the run's dir, and ``pivot_root`` into it.
+
+        The skeleton is built on a tmpfs mounted over the run's dir (reached before through an fd), so no
+        other host path is touched; its dirs are 0711, so nothing but the bound paths can be listed.
+        Raises OSError/RuntimeError: the caller reports it, and the program never runs.
+        """
+        machine = os.uname().machine
+        if machine not in _SYS_PIVOT_ROOT:
+            raise RuntimeError(f"no pivot_root syscall number known for {machine}")
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        real = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+        umask = os.umask(0o066)  # dirs 0711, files 0600 (only mount points)
+        try:
+            _mount("tmpfs", self.tmpdir, "tmpfs", _MS_NOSUID | _MS_NODEV, _ROOT_TMPFS)
+            os.chdir(self.tmpdir)  # the new root; everything below is relative to it
+            for path in self.root:
+                _bind_read_only(path, path.lstrip("/"))
+            for path in self.hide:
+                if os.path.isdir(path.lstrip("/")):
+                    _mount("tmpfs", path.lstrip("/"), "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
+            os.makedirs("dev", exist_ok=True)
+            for name in _DEVICES:
+                os.close(os.open(f"dev/{name}", os.O_WRONLY | os.O_CREAT, 0o600))
+                _mount(f"/dev/{name}", f"dev/{name}", None, _MS_BIND)
+            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+                os.symlink(target, f"dev/{name}")
+            for d in ("tmp", "dev/shm"):
+                os.makedirs(d, exist_ok=True)
+                _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
+            os.makedirs("proc", exist_ok=True)
+            if fresh_proc:  # before the host's /proc goes: a user namespace may mount proc only while one is visible
+                _mount("proc", "proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+            work = self.tmpdir.lstrip("/")
+            os.makedirs(work, exist_ok=True)
+            self._copy_work_dir(real, work)
+            _check(_libc.syscall(_SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
+            _check(_libc.umount2(b".", _MNT_DETACH), "umount2 of the old root")  # the host's root, stacked on "."
+            os.chdir("/")
+            _mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+            os.chdir(self.tmpdir)
+        finally:
+            os.umask(umask)
+            os.close(real)
+
     def _mount_private_dirs(self, fresh_proc: bool) -> None:
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
         if self.hidden:  # tmpfs over e.g. /root (hiding its contents), then bind the prefix back
@@ -368,25 +457,29 @@ class Confinement:
         """
         real = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
         try:
-            files = [e for e in os.scandir(real) if e.is_file(follow_symlinks=False)]
-            size = sum(e.stat(follow_symlinks=False).st_size for e in files)
-            cap = size + max(_WORK_DIR_MIN_MB, _WORK_DIR_FILES * int(self.limits["file_size_mb"])) * 2**20
             os.makedirs(self.tmpdir, exist_ok=True)
-            _mount("tmpfs", self.tmpdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={cap},mode=1777")
-            for entry in files:
-                src = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=real)
-                dst = os.open(os.path.join(self.tmpdir, entry.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    while chunk := os.read(src, 1 << 20):
-                        os.write(dst, chunk)
-                    if self.is_root:
-                        os.fchown(dst, NOBODY, NOBODY)
-                finally:
-                    os.close(src)
-                    os.close(dst)
+            self._copy_work_dir(real, self.tmpdir)
         finally:
             os.close(real)
         os.chdir(self.tmpdir)
+
+    def _copy_work_dir(self, real: int, target: str) -> None:
+        """Mount the size-capped tmpfs at ``target`` and copy the files of the dir ``real`` (an fd) into it."""
+        files = [e for e in os.scandir(real) if e.is_file(follow_symlinks=False)]
+        size = sum(e.stat(follow_symlinks=False).st_size for e in files)
+        cap = size + max(_WORK_DIR_MIN_MB, _WORK_DIR_FILES * int(self.limits["file_size_mb"])) * 2**20
+        _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={cap},mode=1777")
+        for entry in files:
+            src = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=real)
+            dst = os.open(os.path.join(target, entry.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                while chunk := os.read(src, 1 << 20):
+                    os.write(dst, chunk)
+                if self.is_root:
+                    os.fchown(dst, NOBODY, NOBODY)
+            finally:
+                os.close(src)
+                os.close(dst)
 
     def _set_rlimits(self) -> None:
         lim = self.limits
@@ -403,13 +496,299 @@ class Confinement:
             resource.setrlimit(res, value)
 
 
+# -- the caller's side: what the root holds, the seccomp filter, one check of the host ------------------
+
+# Syscalls no test program needs, refused with EPERM in every run (names missing on an arch are skipped):
+# keyrings (they outlive the run), other processes' memory and fds, mounts and namespaces (clone's
+# namespace flags too), the kernel's own machinery, and io_uring (its operations bypass seccomp).
+_DENIED_SYSCALLS = (
+    "add_key", "request_key", "keyctl",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "mount", "umount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "socketpair",  # AF_UNIX only (socket is filtered by domain below)
+    "acct", "swapon", "swapoff", "reboot", "sethostname", "setdomainname", "iopl", "ioperm",
+    "quotactl", "quotactl_fd", "lookup_dcookie", "personality", "syslog", "vhangup", "uselib", "ustat",
+    "sysfs", "_sysctl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "open_by_handle_at", "name_to_handle_at", "fanotify_init", "move_pages", "migrate_pages",
+)
+_AF_INET, _AF_INET6 = 2, 10  # the only socket domains allowed (the network namespace leaves them no peer)
+_CLONE_NAMESPACE_BITS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
+                         0x20000000, 0x40000000)  # NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+# libseccomp's stable ABI (<seccomp.h>, 2.x)
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_FLTATR_ACT_BADARCH = 2
+_SCMP_CMP_LT, _SCMP_CMP_EQ, _SCMP_CMP_GT, _SCMP_CMP_MASKED_EQ = 2, 4, 6, 7
+
+
+def _load_libseccomp():
+    """libseccomp via ctypes, or None where it is not installed."""
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        from ctypes.util import find_library
+
+        name = find_library("seccomp")
+        try:
+            lib = ctypes.CDLL(name, use_errno=True) if name else None
+        except OSError:
+            lib = None
+    if lib is None:
+        return None
+    ctx, u32, c_int = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int
+    for fn, restype, argtypes in (
+        ("seccomp_init", ctx, [u32]),
+        ("seccomp_release", None, [ctx]),
+        ("seccomp_arch_native", u32, []),
+        ("seccomp_arch_add", c_int, [ctx, u32]),
+        ("seccomp_arch_remove", c_int, [ctx, u32]),
+        ("seccomp_attr_set", c_int, [ctx, c_int, u32]),
+        ("seccomp_syscall_resolve_name_arch", c_int, [u32, ctypes.c_char_p]),
+        ("seccomp_rule_add_array", c_int, [ctx, u32, c_int, ctypes.c_uint, ctypes.c_void_p]),
+        ("seccomp_export_bpf", c_int, [ctx, c_int]),
+    ):
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+    return lib
+
+
+class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+def seccomp_filter(no_fork: bool, machine: str | None = None) -> bytes | None:
+    """The sandbox's seccomp filter, compiled by libseccomp to BPF (``struct sock_filter`` array, this
+    machine's byte order) for ``machine`` (``os.uname().machine``; default this one's). None without libseccomp.
+
+    Default allow; EPERM for ``_DENIED_SYSCALLS``, ``socket`` of any domain but AF_INET/AF_INET6 (Unix,
+    netlink, packet, vsock, ...; compared as 64-bit, so high bits cannot smuggle AF_UNIX through), ``clone``
+    with a namespace flag; ENOSYS for ``clone3`` (its flags are in memory, which a filter cannot read; glibc
+    then uses ``clone``). ``no_fork``: also EPERM for ``fork``, ``vfork`` and ``clone`` without
+    ``CLONE_THREAD`` (threads still work). A syscall of another ABI (i386 ``int 0x80``, x32 on x86_64)
+    gets EPERM: libseccomp checks the arch and the x32 bit.
+    """
+    lib = _load_libseccomp()
+    if lib is None:
+        return None
+    eperm = 0x00050000 | errno.EPERM
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+    try:
+        arch = lib.seccomp_arch_native()
+        if machine is not None and machine != os.uname().machine:
+            if machine not in _SECCOMP_ARCHES:
+                raise ValueError(f"no seccomp arch known for machine {machine!r}")
+            other = _SECCOMP_ARCHES[machine][0]
+            if lib.seccomp_arch_add(ctx, other) != 0 or lib.seccomp_arch_remove(ctx, arch) != 0:
+                raise OSError(f"libseccomp cannot build a filter for {machine}")
+            arch = other
+        if lib.seccomp_attr_set(ctx, _SCMP_FLTATR_ACT_BADARCH, eperm) != 0:
+            raise OSError("libseccomp: cannot set the action for foreign ABIs")
+
+        def rule(name: str, action: int, *cmps: tuple[int, int, int, int]) -> None:
+            nr = lib.seccomp_syscall_resolve_name_arch(arch, name.encode())
+            if nr < 0:  # not a syscall on this arch
+                return
+            args = (_ArgCmp * len(cmps))(*(_ArgCmp(*c) for c in cmps)) if cmps else None
+            rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), args)
+            if rc != 0:
+                raise OSError(-rc, f"libseccomp: rule for {name}: {os.strerror(-rc)}")
+
+        for name in _DENIED_SYSCALLS:
+            rule(name, eperm)
+        rule("clone3", 0x00050000 | errno.ENOSYS)
+        rule("socket", eperm, (0, _SCMP_CMP_LT, _AF_INET, 0))
+        rule("socket", eperm, (0, _SCMP_CMP_GT, _AF_INET6, 0))
+        for domain in range(_AF_INET + 1, _AF_INET6):
+            rule("socket", eperm, (0, _SCMP_CMP_EQ, domain, 0))
+        for bit in _CLONE_NAMESPACE_BITS:
+            rule("clone", eperm, (0, _SCMP_CMP_MASKED_EQ, bit, bit))
+        if no_fork:
+            rule("fork", eperm)
+            rule("vfork", eperm)
+            rule("clone", eperm, (0, _SCMP_CMP_MASKED_EQ, _CLONE_THREAD, 0))
+        read_fd, write_fd = os.pipe()
+        try:
+            rc = lib.seccomp_export_bpf(ctx, write_fd)
+            os.close(write_fd)
+            write_fd = None
+            if rc != 0:
+                raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
+            chunks = []
+            while chunk := os.read(read_fd, 65536):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(read_fd)
+            if write_fd is not None:
+                os.close(write_fd)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _list_interpreter_files() -> None:
+    """``--list-files``: print what this interpreter needs, one ``bind\tPATH`` or ``hide\tPATH`` a line.
+
+    Binds: its stdlib dirs (``sys.path`` under ``-I -S``), its executable, ``/etc/ld.so.cache`` and every
+    shared object it maps after importing each extension module of the stdlib and loading ``libgcc_s``
+    (glibc loads it on ``pthread_exit``): each by the name the dynamic loader opened it under
+    (``dl_iterate_phdr``, so ``/lib64/ld-linux-x86-64.so.2`` and ``/lib/...`` work in the root) and by its
+    real path (``/proc/self/maps``). Hides: ``site-packages`` / ``dist-packages`` in the stdlib dirs.
+    """
+    import threading
+
+    stdlib = [os.path.realpath(p) for p in sys.path if os.path.isdir(p)]
+    for d in stdlib:
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".so"):
+                try:
+                    __import__(name.split(".")[0])
+                except BaseException:  # noqa: BLE001 - a module whose library is missing is not needed
+                    pass
+    try:
+        ctypes.CDLL("libgcc_s.so.1")
+    except OSError:
+        pass
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join()
+    names = {sys.executable, "/etc/ld.so.cache"}
+
+    class Info(ctypes.Structure):  # the head of struct dl_phdr_info
+        _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
+
+    def seen(info, size, data):
+        if info.contents.name:
+            names.add(os.fsdecode(info.contents.name))
+        return 0
+
+    callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)(seen)
+    ctypes.CDLL(None).dl_iterate_phdr(callback, None)
+    names = {p for p in names if os.path.isabs(p) and os.path.isfile(p)}
+    inodes = {(st.st_dev, st.st_ino) for st in map(os.stat, names)}
+    with open("/proc/self/maps") as f:  # files mapped under no name the loader knows (locale data, ...)
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/") and os.path.isfile(fields[5]):
+                st = os.stat(fields[5])
+                if (st.st_dev, st.st_ino) not in inodes:
+                    inodes.add((st.st_dev, st.st_ino))
+                    names.add(fields[5])
+    dirs = [d for d in stdlib if not any(d.startswith(o + os.sep) for o in stdlib)]
+    files = sorted(
+        p for p in names if not any(p.startswith(d + os.sep) for d in dirs)
+    )
+    lines = [f"bind\t{p}" for p in dirs + files]
+    lines += [f"hide\t{d}/{sub}" for d in dirs for sub in ("site-packages", "dist-packages")
+              if os.path.isdir(os.path.join(d, sub))]
+    sys.stdout.write("\n" + "\n".join(lines) + "\n")  # a newline first: an imported module may write junk
+
+
+class HostSetup:
+    """What every run of one interpreter on this host gets: ``root`` and ``hide`` (paths, empty where no
+    minimal root can be built) and ``filters`` (``no_fork`` -> BPF bytes, empty without libseccomp)."""
+
+    def __init__(self, root: tuple[str, ...], hide: tuple[str, ...], filters: dict[bool, bytes]):
+        self.root, self.hide, self.filters = root, hide, filters
+
+
+_host_setups: dict[str, HostSetup] = {}
+
+
+def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetup:
+    """The ``HostSetup`` for ``interpreter``, found once per process (about 0.2 s): list its files, compile
+    the filters, run the launcher once on an empty program with everything asked for, and log one warning
+    per thing this host cannot do, naming what the sandbox falls back to. Runs as the caller (parent)."""
+    if interpreter in _host_setups:
+        return _host_setups[interpreter]
+    import logging
+    import subprocess
+    import tempfile
+
+    log = logging.getLogger("jaxrl.rewards.sandbox")
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    root: list[str] = []
+    hide: list[str] = []
+    problems = []
+    try:
+        out = subprocess.run([interpreter, "-I", "-S", "-B", os.path.abspath(__file__), "--list-files"],
+                             capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+        for line in out.splitlines():
+            kind, _, path = line.partition("\t")
+            if kind in ("bind", "hide") and os.pathsep not in path:
+                (root if kind == "bind" else hide).append(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        problems.append(f"cannot list the files of {interpreter} ({e})")
+    filters: dict[bool, bytes] = {}
+    try:
+        for no_fork in (False, True):
+            prog = seccomp_filter(no_fork)
+            if prog is not None:
+                filters[no_fork] = prog
+    except (OSError, ValueError) as e:
+        problems.append(f"libseccomp failed: {e}")
+    # One real run: what does this host grant?
+    got, error = set(), None
+    tmpdir = tempfile.mkdtemp(prefix=f"{tmp_prefix}{os.getpid()}_")
+    read_fd, write_fd = os.pipe()
+    try:
+        spec = {name: 1 for name in _LIMITS} | {
+            "wall_time_s": 10, "cpu_time_s": 5, "memory_mb": 512, "max_processes": 32,
+            "namespaces": ",".join(_NAMESPACE_FLAGS), "no_fork": 1, "root": os.pathsep.join(root),
+            "hide": os.pathsep.join(hide), "seccomp": filters.get(True, b"").hex(), "tmpdir": tmpdir,
+            "report_fd": write_fd, "parent_pid": os.getpid(),
+        }
+        argv = [interpreter, "-I", "-S", "-B", os.path.abspath(__file__),
+                *(f"{k}={v}" for k, v in spec.items()), "--", interpreter, "-S", "-c", "pass"]
+        subprocess.run(argv, cwd=tmpdir, env=env, pass_fds=[write_fd], capture_output=True, timeout=60,
+                       start_new_session=True, check=False)
+        os.close(write_fd)
+        write_fd = None
+        report = os.read(read_fd, 4096).decode("utf-8", "replace").splitlines() or ["error (no report)"]
+        if report[0].startswith("ok"):
+            got = set(report[0].split()[1:])
+        error = next((line[6:] for line in report if line.startswith("error ")), None)
+    except (OSError, subprocess.SubprocessError) as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd is not None:
+                os.close(fd)
+        subprocess.run(["rm", "-rf", "--", tmpdir], check=False, capture_output=True)
+    if error is not None and root:  # runs go on without the root (a failure there is fail-closed)
+        problems.append(f"the minimal root cannot be built ({error})")
+        root, hide = [], []
+    elif "mnt" not in got:
+        problems.append("no mount namespace (no user namespaces here?)")
+    if problems and not root:
+        problems[-1] += (": programs see the host's filesystem (whatever uid 65534 may read) with private"
+                         " tmpfs over /tmp, /var/tmp, /dev/shm and /run/lock where a mount namespace exists")
+    missing = {"pid", "ipc", "net"} - got
+    if missing and error is None:
+        problems.append(f"no {', '.join(sorted(missing))} namespace(s): see the known gaps in jaxrl.rewards.sandbox")
+    if not filters:
+        problems.append("no libseccomp: no syscall filter (Unix sockets, keyrings, ptrace, mount stay open);"
+                        " assert tests keep the hand-built no-fork filter")
+    elif "seccomp" not in got and error is None:
+        problems.append("the kernel refused the seccomp filter: no syscall filter, and assert tests rely on"
+                        " the harness's pid check alone")
+    for problem in problems:
+        log.warning("sandbox: %s. (Logged once per process.)", problem)
+    setup = HostSetup(tuple(root), tuple(hide), filters)
+    _host_setups[interpreter] = setup
+    return setup
+
+
 def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """``[KEY=VALUE..., "--", *program_argv]`` -> (settings, program argv)."""
     if "--" not in argv:
         raise ValueError(f"expected KEY=VALUE... -- PROGRAM..., got {argv!r}")
     split = argv.index("--")
     spec = dict(arg.partition("=")[::2] for arg in argv[:split])
-    missing = {*_LIMITS, "namespaces", "no_fork", "tmpdir", "report_fd", "parent_pid"} - spec.keys()
+    missing = {*_LIMITS, *_SETTINGS} - spec.keys()
     if missing or split == len(argv) - 1:
         raise ValueError(f"missing settings {sorted(missing)} or program in {argv!r}")
     return spec, argv[split + 1:]
@@ -434,4 +813,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--list-files"]:
+        _list_interpreter_files()
+    else:
+        main(sys.argv[1:])
