@@ -63,6 +63,7 @@ _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 # statvfs f_flag bits that a read-only remount of a bind must keep (they may be locked): same values as MS_*
 _KEEP_FLAGS = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | 1024 | 2048 | 4096  # + noatime, nodiratime, relatime
 _MNT_DETACH = 2
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # same on both arches
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # no glibc wrapper
 _ROOT_TMPFS = "size=1m,mode=711"  # the skeleton root: only dirs, empty files and mount points
 _DEVICES = ("null", "zero", "random", "urandom")
@@ -119,17 +120,25 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _bind_read_only(source: str, target: str) -> None:
-    """Bind the host path ``source`` (file or dir, recursively) read-only at ``target`` (relative), creating it."""
-    if os.path.isdir(source):
-        os.makedirs(target, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600))
-    _mount(source, target, None, _MS_BIND | _MS_REC)
-    # A bind ignores MS_RDONLY: remount it, keeping the flags it has (a user namespace may not drop them).
-    keep = os.statvfs(target).f_flag & _KEEP_FLAGS
-    _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep)
+class _MountAttr(ctypes.Structure):  # struct mount_attr
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+def _make_read_only(top: str, binds: list[str]) -> None:
+    """Make the mount at ``top`` and every mount below it read-only: one ``mount_setattr(AT_RECURSIVE)``
+    where the kernel has it, else a remount of ``top`` and of each of ``binds`` (each keeping the flags it
+    has: a user namespace may not drop them; a bind ignores MS_RDONLY until remounted)."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+    if _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, top.encode(), _AT_RECURSIVE, ctypes.byref(attr),
+                     ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+        return
+    if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount_setattr: {os.strerror(err)}")
+    for target in (*binds, top):
+        keep = os.statvfs(target).f_flag & _KEEP_FLAGS
+        _mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep)
 
 
 def _write(path: str, text: str) -> None:
@@ -390,8 +399,9 @@ class Confinement:
         ``/dev``, ``/proc``, tmpfs ``/tmp`` and ``/dev/shm`` and the run's dir, and ``pivot_root`` into it.
 
         The skeleton is built on a tmpfs mounted over the run's dir (reached before through an fd), so no
-        other host path is touched; its dirs are 0711, so nothing but the bound paths can be listed.
-        Raises OSError/RuntimeError: the caller reports it, and the program never runs.
+        other host path is touched; its dirs are 0711, so nothing but the bound paths can be listed. The
+        binds and the skeleton are made read-only in one ``mount_setattr`` (Linux >= 5.12; else one
+        remount each). Raises OSError/RuntimeError: the caller reports it, and the program never runs.
         """
         machine = os.uname().machine
         if machine not in _SYS_PIVOT_ROOT:
@@ -402,31 +412,37 @@ class Confinement:
         try:
             _mount("tmpfs", self.tmpdir, "tmpfs", _MS_NOSUID | _MS_NODEV, _ROOT_TMPFS)
             os.chdir(self.tmpdir)  # the new root; everything below is relative to it
-            for path in self.root:
-                _bind_read_only(path, path.lstrip("/"))
-            for path in self.hide:
-                if os.path.isdir(path.lstrip("/")):
-                    _mount("tmpfs", path.lstrip("/"), "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
-            os.makedirs("dev", exist_ok=True)
+            work = self.tmpdir.lstrip("/")
+            for d in ("dev/shm", "tmp", "proc"):
+                os.makedirs(d, exist_ok=True)
             for name in _DEVICES:
                 os.close(os.open(f"dev/{name}", os.O_WRONLY | os.O_CREAT, 0o600))
-                _mount(f"/dev/{name}", f"dev/{name}", None, _MS_BIND)
             for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                                  ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
                 os.symlink(target, f"dev/{name}")
+            for path in self.root:
+                target = path.lstrip("/")
+                if os.path.isdir(path):
+                    os.makedirs(target, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+                    os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600))
+                _mount(path, target, None, _MS_BIND | _MS_REC)
+            for path in self.hide:
+                if os.path.isdir(path.lstrip("/")):
+                    _mount("tmpfs", path.lstrip("/"), "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
+            os.makedirs(work, exist_ok=True)  # for a run dir outside /tmp, while the skeleton is writable
+            _make_read_only(".", [p.lstrip("/") for p in self.root])
+            for name in _DEVICES:
+                _mount(f"/dev/{name}", f"dev/{name}", None, _MS_BIND)
             for d in ("tmp", "dev/shm"):
-                os.makedirs(d, exist_ok=True)
                 _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
-            os.makedirs("proc", exist_ok=True)
             if fresh_proc:  # before the host's /proc goes: a user namespace may mount proc only while one is visible
                 _mount("proc", "proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-            work = self.tmpdir.lstrip("/")
             os.makedirs(work, exist_ok=True)
             self._copy_work_dir(real, work)
             _check(_libc.syscall(_SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
             _check(_libc.umount2(b".", _MNT_DETACH), "umount2 of the old root")  # the host's root, stacked on "."
-            os.chdir("/")
-            _mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
             os.chdir(self.tmpdir)
         finally:
             os.umask(umask)
@@ -629,11 +645,17 @@ def seccomp_filter(no_fork: bool, machine: str | None = None) -> bytes | None:
         lib.seccomp_release(ctx)
 
 
+# Extension modules that cannot work in the sandbox (no display, terminal, sound device, NIS or /etc/shadow):
+# the libraries only they load stay out of the root (tkinter alone brings X11, Tcl/Tk and fonts).
+_USELESS_MODULES = {"_tkinter", "readline", "_curses", "_curses_panel", "ossaudiodev", "nis", "spwd"}
+
+
 def _list_interpreter_files() -> None:
     """``--list-files``: print what this interpreter needs, one ``bind\tPATH`` or ``hide\tPATH`` a line.
 
     Binds: its stdlib dirs (``sys.path`` under ``-I -S``), its executable, ``/etc/ld.so.cache`` and every
-    shared object it maps after importing each extension module of the stdlib and loading ``libgcc_s``
+    shared object it maps after importing each extension module of the stdlib (but ``_USELESS_MODULES``)
+    and loading ``libgcc_s``
     (glibc loads it on ``pthread_exit``): each by the name the dynamic loader opened it under
     (``dl_iterate_phdr``, so ``/lib64/ld-linux-x86-64.so.2`` and ``/lib/...`` work in the root) and by its
     real path (``/proc/self/maps``). Hides: ``site-packages`` / ``dist-packages`` in the stdlib dirs.
@@ -643,7 +665,7 @@ def _list_interpreter_files() -> None:
     stdlib = [os.path.realpath(p) for p in sys.path if os.path.isdir(p)]
     for d in stdlib:
         for name in sorted(os.listdir(d)):
-            if name.endswith(".so"):
+            if name.endswith(".so") and name.split(".")[0] not in _USELESS_MODULES:
                 try:
                     __import__(name.split(".")[0])
                 except BaseException:  # noqa: BLE001 - a module whose library is missing is not needed
