@@ -371,16 +371,18 @@ def _launcher_argv(
     The minimal root's paths and the seccomp filter come from ``sandbox_child.host_setup(interpreter)``
     (found once per process; it logs what this host cannot do)."""
     setup = host_setup(interpreter, _DIR_PREFIX)
+    namespaces = _namespaces_to_enter(limits)
+    root = setup.root if "mnt" in namespaces else ()  # without a mount namespace: the host's files
     spec = {
         "wall_time_s": limits.wall_time_s,
         "cpu_time_s": limits.cpu_time_s,
         "memory_mb": limits.memory_mb,
         "file_size_mb": limits.file_size_mb,
         "max_processes": limits.max_processes,
-        "namespaces": ",".join(_namespaces_to_enter(limits)),
+        "namespaces": ",".join(namespaces),
         "no_fork": int(no_fork),
-        "root": os.pathsep.join(setup.root),
-        "hide": os.pathsep.join(setup.hide),
+        "root": os.pathsep.join(root),
+        "hide": os.pathsep.join(setup.hide if root else ()),
         "seccomp": setup.filters.get(no_fork, b"").hex(),
         "tmpdir": tmpdir,
         "report_fd": report_fd,

@@ -535,7 +535,7 @@ _CLONE_NAMESPACE_BITS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000
                          0x20000000, 0x40000000)  # NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 # libseccomp's stable ABI (<seccomp.h>, 2.x)
 _SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_FLTATR_ACT_BADARCH = 2
+_SCMP_FLTATR_ACT_BADARCH, _SCMP_FLTATR_CTL_OPTIMIZE = 2, 8
 _SCMP_CMP_LT, _SCMP_CMP_EQ, _SCMP_CMP_GT, _SCMP_CMP_MASKED_EQ = 2, 4, 6, 7
 
 
@@ -603,6 +603,7 @@ def seccomp_filter(no_fork: bool, machine: str | None = None) -> bytes | None:
             arch = other
         if lib.seccomp_attr_set(ctx, _SCMP_FLTATR_ACT_BADARCH, eperm) != 0:
             raise OSError("libseccomp: cannot set the action for foreign ABIs")
+        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_OPTIMIZE, 2)  # a binary tree of syscalls (libseccomp >= 2.5)
 
         def rule(name: str, action: int, *cmps: tuple[int, int, int, int]) -> None:
             nr = lib.seccomp_syscall_resolve_name_arch(arch, name.encode())
