@@ -13,12 +13,69 @@ launcher with ``vfork``, and all the set-up below runs in a small single-threade
 The settings (``spec``) are ``KEY=VALUE`` arguments (plain text, as ``json`` would add ~6 ms of
 imports to every run): ``wall_time_s``, ``cpu_time_s``, ``memory_mb``, ``file_size_mb`` and
 ``max_processes`` (the ``SandboxLimits`` fields), ``namespaces`` (the ones wanted, comma-separated,
-of ``mnt``, ``pid``, ``ipc``, ``net``; may be empty), ``no_fork`` (``1``: install the seccomp filter of
-``no_fork_filter``, so the program cannot create processes, only threads; used for assert tests),
-``tmpdir``, ``report_fd`` and ``parent_pid`` (the caller). The launcher writes one line to ``report_fd``:
-``ok <namespaces entered> [nofork]`` just before it execs the program (``nofork`` iff the filter is in
-place), or ``error <message>`` if the set-up or the exec failed (then it exits with status 125).
-No line at all means it died before getting that far.
+of ``mnt``, ``pid``, ``ipc``, ``net``; may be empty), ``no_fork`` (``1``: an assert test, whose program
+may create threads but no processes), ``root`` and ``hide`` (``os.pathsep``-separated host paths: what
+the minimal root binds read-only, and the dirs in it covered by an empty tmpfs; empty: no minimal root),
+``seccomp`` (the filter as hex of a ``struct sock_filter`` array; empty: none, or for ``no_fork`` the
+hand-built ``no_fork_filter``), ``tmpdir``, ``report_fd`` and ``parent_pid`` (the caller). The
+launcher writes one line to ``report_fd``: ``ok <namespaces entered> [root] [seccomp] [nofork]`` just
+before it execs the program (``root``: it runs in the minimal root; ``seccomp``: the full filter is in
+place; ``nofork``: a filter against new processes is), or ``error <message>`` if the set-up or the exec
+failed (then it exits with status 125). No line at all means it died before getting that far.
+
+**The minimal root.** With a mount namespace, the program runs in a root built for it (``_build_root``):
+a tmpfs (mounted over the run's dir, so no other host path is touched) holding, bound read-only at their
+own paths, exactly what the base interpreter needs: its executable, its stdlib dirs (``site-packages``
+covered by an empty tmpfs), the shared objects it loads and ``/etc/ld.so.cache`` (so the dynamic loader
+finds them at the same paths); then ``/dev`` with only ``null``, ``zero``, ``random`` and ``urandom``
+(and ``fd``/``stdin``/``stdout``/``stderr`` links), a fresh ``/proc`` where a PID namespace exists, tmpfs
+``/tmp`` and ``/dev/shm`` (16 MB each) and the run's dir (a size-capped tmpfs holding copies of its
+files). ``pivot_root`` into it and a detach of the old root leave nothing of the host: no ``/run``,
+``/var/run``, ``/etc`` but the loader cache, ``/home``, ``/root``, nor the checkout. The root and every bind are
+read-only (one recursive ``mount_setattr``), its dirs are 0711 (nothing can be listed), only the
+tmpfs dirs are writable. The file list is not a distro layout: the caller runs this file once per
+process as ``--list-files`` under the interpreter, which imports every extension module of its stdlib
+(but ``_USELESS_MODULES``), loads ``libgcc_s`` (glibc needs it on ``pthread_exit``) and reports every
+object mapped, by the name the loader used (``dl_iterate_phdr``) and by real path (``/proc/self/maps``).
+Where a root was asked for but cannot be made, the run fails (``sandbox_error``), never runs on the host's files.
+
+**The seccomp filter**, in every run (IO and assert tests; ``seccomp_filter``): default allow, EPERM for
+Unix, netlink and every socket domain but AF_INET/AF_INET6 (a fresh network namespace gives those no
+peer), ``socketpair``, keyrings (``add_key``, ``request_key``, ``keyctl``: keys outlived the run),
+``ptrace``, ``process_vm_*``, ``pidfd_getfd``, mounts, ``unshare``/``setns``/``clone`` with a namespace
+flag, ``bpf``, ``perf_event_open``, ``io_uring`` (its operations bypass seccomp), ``userfaultfd``, module
+and kexec calls and a few more (``_DENIED_SYSCALLS``); assert tests also get EPERM for ``fork``, ``vfork``
+and ``clone`` without ``CLONE_THREAD``. ``clone3`` gets ENOSYS (glibc then uses ``clone``, whose flags a
+filter can read). On x86_64, i386 (``int 0x80``) and x32 syscalls get EPERM. A program that needs
+``asyncio`` (a ``socketpair``) or ``multiprocessing.Manager`` (Unix sockets) fails; ``multiprocessing.Pool``
+(pipes) works in IO tests. *Why libseccomp, through ctypes, compiled in the caller:* hand-written BPF
+must get the arch check, the x32 bit, 64-bit argument compares (``socket(0x100000001)`` is AF_UNIX to
+the kernel) and jump offsets right by itself; libseccomp (``libseccomp2``, a dependency of systemd and
+so on every mainstream distro) is the maintained compiler for exactly that, covers x86_64 and aarch64
+(and more) from syscall names, and builds a binary tree of syscalls. The launcher runs with ``-I -S``,
+so it cannot import a PyPI binding; and ``pyseccomp`` (a ctypes binding by one author) or libseccomp's
+own Cython bindings (not on PyPI) would add a dependency for nine C signatures. So ``host_setup``, in
+the caller, compiles the two filters once with ``seccomp_export_bpf`` and passes the BPF as hex; the
+launcher only installs it with ``prctl`` (no libseccomp in the launcher, no per-run compile).
+
+**When the host cannot.** ``host_setup`` also runs the launcher once on an empty program with
+everything asked for, and logs one warning per process for each thing this host lacks, with the fallback:
+no mount namespace (no user namespaces) -> the host's files with tmpfs over ``/tmp``, ``/var/tmp``,
+``/dev/shm``, ``/run/lock`` where a mount namespace exists at all; no libseccomp -> no syscall filter, assert
+tests keep the hand-built no-fork filter; no kernel seccomp -> no filter, assert tests rely on the
+harness's pid check; a root that cannot be built -> the host's files as before.
+
+**Bubblewrap and nsjail.** bubblewrap (``bwrap``, Flatpak's sandbox) gives user/mount/pid/ipc/net/uts
+namespaces, ``--ro-bind``/``--dev``/``--proc``/``--tmpfs`` to build a root much like ``_build_root``,
+``--die-with-parent`` and ``--seccomp FD`` (a BPF program compiled elsewhere: it has no filter of its
+own), but no rlimits or size-capped work dir. nsjail (Google) adds rlimits, cgroup limits (memory and pids
+per run, which would close our memory gap where cgroups are delegated), and seccomp policies in its own
+language (Kafel), configured in protobuf text. Both are C/C++ binaries with no interpreter to start, where
+this launcher spends 8-27 ms (measured on a loaded 2-core machine) from its start to the program's exec,
+mostly Python start-up and ``import ctypes``. We use neither: each is a system package every user and CI
+machine would have to install (neither is on PyPI; nsjail is also hard to build), while this launcher
+needs only the Python that runs jaxrl, libc and the ubiquitous libseccomp, and keeps the caller free of
+forks, the report protocol and the nested-namespace privilege drop below in one place we test.
 
 As non-root, the first user namespace maps the caller to root, which makes the other namespaces and
 the mounts possible; root there could also undo the mounts (``umount2("/tmp", MNT_DETACH)`` revealed
@@ -28,7 +85,8 @@ with a new mount namespace, in which it is uid/gid 65534: the mounts it inherits
 processes that stay outside it (the launcher and the PID namespace's init) are made non-dumpable, so
 the program, although the same kernel uid, cannot ``ptrace`` them or open their ``/proc/<pid>/mem``.
 
-Standard library only: it runs with ``-I -S`` and cannot import jaxrl.
+Standard library only: it runs with ``-I -S`` and cannot import jaxrl. The caller-side helpers
+(``host_setup``, ``seccomp_filter``) live here too, so that one file knows the settings.
 """
 
 from __future__ import annotations
@@ -291,6 +349,9 @@ class Confinement:
         # The minimal root: host paths bound read-only at their own paths, dirs hidden under an empty tmpfs.
         self.root = [p for p in spec["root"].split(os.pathsep) if p]
         self.hide = [p for p in spec["hide"].split(os.pathsep) if p]
+        for path in self.root + self.hide:
+            if not os.path.isabs(path) or os.path.normpath(path) != path:
+                raise ValueError(f"root paths must be absolute and normal, got {path!r}")
         self.seccomp = bytes.fromhex(spec["seccomp"])
         self.parent_pid = int(spec["parent_pid"])
         self.is_root = os.geteuid() == 0
@@ -531,8 +592,9 @@ _DENIED_SYSCALLS = (
     "open_by_handle_at", "name_to_handle_at", "fanotify_init", "move_pages", "migrate_pages",
 )
 _AF_INET, _AF_INET6 = 2, 10  # the only socket domains allowed (the network namespace leaves them no peer)
-_CLONE_NAMESPACE_BITS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
-                         0x20000000, 0x40000000)  # NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+# NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET (NEWTIME is unshare/clone3 only: its bit is
+# part of clone's exit signal)
+_CLONE_NAMESPACE_BITS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 # libseccomp's stable ABI (<seccomp.h>, 2.x)
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_FLTATR_ACT_BADARCH, _SCMP_FLTATR_CTL_OPTIMIZE = 2, 8
@@ -663,7 +725,7 @@ def _list_interpreter_files() -> None:
     """
     import threading
 
-    stdlib = [os.path.realpath(p) for p in sys.path if os.path.isdir(p)]
+    stdlib = [os.path.normpath(p) for p in sys.path if os.path.isdir(p)]  # as the program's interpreter names them
     for d in stdlib:
         for name in sorted(os.listdir(d)):
             if name.endswith(".so") and name.split(".")[0] not in _USELESS_MODULES:
@@ -690,7 +752,7 @@ def _list_interpreter_files() -> None:
 
     callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)(seen)
     ctypes.CDLL(None).dl_iterate_phdr(callback, None)
-    names = {p for p in names if os.path.isabs(p) and os.path.isfile(p)}
+    names = {os.path.normpath(p) for p in names if os.path.isabs(p) and os.path.isfile(p)}  # no "..": stays in the root
     inodes = {(st.st_dev, st.st_ino) for st in map(os.stat, names)}
     with open("/proc/self/maps") as f:  # files mapped under no name the loader knows (locale data, ...)
         for line in f:
@@ -699,7 +761,7 @@ def _list_interpreter_files() -> None:
                 st = os.stat(fields[5])
                 if (st.st_dev, st.st_ino) not in inodes:
                     inodes.add((st.st_dev, st.st_ino))
-                    names.add(fields[5])
+                    names.add(os.path.normpath(fields[5]))
     dirs = [d for d in stdlib if not any(d.startswith(o + os.sep) for o in stdlib)]
     files = sorted(
         p for p in names if not any(p.startswith(d + os.sep) for d in dirs)
