@@ -16,15 +16,15 @@ import uuid
 import pytest
 
 import jaxrl.rewards.sandbox as sandbox
-from jaxrl.rewards import sandbox_child
+from jaxrl.rewards import sandbox_child, sandbox_host
 from jaxrl.rewards.sandbox import SandboxLimits, run_program, run_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = SandboxLimits(wall_time_s=5.0, cpu_time_s=2.0)
 
 
-def _setup() -> sandbox_child.HostSetup:
-    return sandbox_child.host_setup(sandbox._base_interpreter(), sandbox._DIR_PREFIX)
+def _setup() -> sandbox_host.HostSetup:
+    return sandbox_host.host_setup(sandbox._base_interpreter(), sandbox._DIR_PREFIX)
 
 
 def _needs_root():
@@ -293,23 +293,23 @@ def _instructions(prog: bytes) -> list[tuple[int, int, int, int]]:
 
 @pytest.mark.parametrize("machine, audit_arch", [("x86_64", 0xC000003E), ("aarch64", 0xC00000B7)])
 def test_the_filter_builds_for_both_arches(machine, audit_arch):
-    if sandbox_child._load_libseccomp() is None:
+    if sandbox_host._load_libseccomp() is None:
         pytest.skip("no libseccomp here")
     for no_fork in (False, True):
-        insns = _instructions(sandbox_child.seccomp_filter(no_fork, machine))
+        insns = _instructions(sandbox_host.seccomp_filter(no_fork, machine))
         # load seccomp_data.arch, compare with this arch; anything else gets EPERM (not allowed)
         assert insns[0] == (0x20, 0, 0, 4) and insns[1][0] == 0x15 and insns[1][3] == audit_arch
         returns = {k for code, _, _, k in insns if code == 0x06}
         assert returns == {0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS}, returns
         if machine == "x86_64":  # x32 syscalls (nr | 0x40000000) take the foreign-ABI action
             assert any(code == 0x35 and k == 0x40000000 for code, _, _, k in insns)
-    no_fork_len = len(sandbox_child.seccomp_filter(True, machine))
-    assert no_fork_len > len(sandbox_child.seccomp_filter(False, machine))
+    no_fork_len = len(sandbox_host.seccomp_filter(True, machine))
+    assert no_fork_len > len(sandbox_host.seccomp_filter(False, machine))
 
 
 def test_missing_libseccomp_is_said_once_and_runs_fall_back(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox_child, "_host_setups", {})
-    monkeypatch.setattr(sandbox_child, "_load_libseccomp", lambda: None)
+    monkeypatch.setattr(sandbox_host, "_host_setups", {})
+    monkeypatch.setattr(sandbox_host, "_load_libseccomp", lambda: None)
     with caplog.at_level(logging.WARNING, logger="jaxrl.rewards.sandbox"):
         assert run_program("print(1)", "", FAST)[:2] == ("ok", "1\n")
         assert run_tests("def f(x): return x", [{"assert": "assert f(1) == 1"}], FAST).pass_fraction == 1.0

@@ -155,7 +155,8 @@ import time
 from collections.abc import Sequence
 
 from jaxrl.rewards.pool import item_deadline
-from jaxrl.rewards.sandbox_child import NOBODY, host_setup
+from jaxrl.rewards.sandbox_child import NOBODY
+from jaxrl.rewards.sandbox_host import host_setup
 
 __all__ = [
     "CaseResult",
@@ -368,7 +369,7 @@ def _launcher_argv(
 ) -> list[str]:
     """``sandbox_child.py``'s command line, up to and including ``--`` (the program's argv follows).
 
-    The minimal root's paths and the seccomp filter come from ``sandbox_child.host_setup(interpreter)``
+    The minimal root's paths and the seccomp filter come from ``sandbox_host.host_setup(interpreter)``
     (found once per process; it logs what this host cannot do)."""
     setup = host_setup(interpreter, _DIR_PREFIX)
     namespaces = _namespaces_to_enter(limits)

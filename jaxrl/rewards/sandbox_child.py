@@ -33,18 +33,18 @@ finds them at the same paths); then ``/dev`` with only ``null``, ``zero``, ``ran
 files). ``pivot_root`` into it and a detach of the old root leave nothing of the host: no ``/run``,
 ``/var/run``, ``/etc`` but the loader cache, ``/home``, ``/root``, nor the checkout. The root and every bind are
 read-only (one recursive ``mount_setattr``), its dirs are 0711 (nothing can be listed), only the
-tmpfs dirs are writable. The file list is not a distro layout: the caller runs this file once per
-process as ``--list-files`` under the interpreter, which imports every extension module of its stdlib
-(but ``_USELESS_MODULES``), loads ``libgcc_s`` (glibc needs it on ``pthread_exit``) and reports every
+tmpfs dirs are writable. The file list is not a distro layout: the caller runs ``sandbox_host.py
+--list-files`` once per process under the interpreter, which imports every extension module of its stdlib
+(but ``sandbox_host._USELESS_MODULES``), loads ``libgcc_s`` (glibc needs it on ``pthread_exit``) and reports every
 object mapped, by the name the loader used (``dl_iterate_phdr``) and by real path (``/proc/self/maps``).
 Where a root was asked for but cannot be made, the run fails (``sandbox_error``), never runs on the host's files.
 
-**The seccomp filter**, in every run (IO and assert tests; ``seccomp_filter``): default allow, EPERM for
+**The seccomp filter**, in every run (IO and assert tests; ``sandbox_host.seccomp_filter``): default allow, EPERM for
 Unix, netlink and every socket domain but AF_INET/AF_INET6 (a fresh network namespace gives those no
 peer), ``socketpair``, keyrings (``add_key``, ``request_key``, ``keyctl``: keys outlived the run),
 ``ptrace``, ``process_vm_*``, ``pidfd_getfd``, mounts, ``unshare``/``setns``/``clone`` with a namespace
 flag, ``bpf``, ``perf_event_open``, ``io_uring`` (its operations bypass seccomp), ``userfaultfd``, module
-and kexec calls and a few more (``_DENIED_SYSCALLS``); assert tests also get EPERM for ``fork``, ``vfork``
+and kexec calls and a few more (``sandbox_host._DENIED_SYSCALLS``); assert tests also get EPERM for ``fork``, ``vfork``
 and ``clone`` without ``CLONE_THREAD``. ``clone3`` gets ENOSYS (glibc then uses ``clone``, whose flags a
 filter can read). On x86_64, i386 (``int 0x80``) and x32 syscalls get EPERM. A program that needs
 ``asyncio`` (a ``socketpair``) or ``multiprocessing.Manager`` (Unix sockets) fails; ``multiprocessing.Pool``
@@ -54,11 +54,11 @@ the kernel) and jump offsets right by itself; libseccomp (``libseccomp2``, a dep
 so on every mainstream distro) is the maintained compiler for exactly that, covers x86_64 and aarch64
 (and more) from syscall names, and builds a binary tree of syscalls. The launcher runs with ``-I -S``,
 so it cannot import a PyPI binding; and ``pyseccomp`` (a ctypes binding by one author) or libseccomp's
-own Cython bindings (not on PyPI) would add a dependency for nine C signatures. So ``host_setup``, in
-the caller, compiles the two filters once with ``seccomp_export_bpf`` and passes the BPF as hex; the
+own Cython bindings (not on PyPI) would add a dependency for nine C signatures. So ``sandbox_host.host_setup``,
+in the caller, compiles the two filters once with ``seccomp_export_bpf`` and passes the BPF as hex; the
 launcher only installs it with ``prctl`` (no libseccomp in the launcher, no per-run compile).
 
-**When the host cannot.** ``host_setup`` also runs the launcher once on an empty program with
+**When the host cannot.** ``sandbox_host.host_setup`` also runs the launcher once on an empty program with
 everything asked for, and logs one warning per process for each thing this host lacks, with the fallback:
 no mount namespace (no user namespaces) -> the host's files with tmpfs over ``/tmp``, ``/var/tmp``,
 ``/dev/shm``, ``/run/lock`` where a mount namespace exists at all; no libseccomp -> no syscall filter, assert
@@ -85,8 +85,8 @@ with a new mount namespace, in which it is uid/gid 65534: the mounts it inherits
 processes that stay outside it (the launcher and the PID namespace's init) are made non-dumpable, so
 the program, although the same kernel uid, cannot ``ptrace`` them or open their ``/proc/<pid>/mem``.
 
-Standard library only: it runs with ``-I -S`` and cannot import jaxrl. The caller-side helpers
-(``host_setup``, ``seccomp_filter``) live here too, so that one file knows the settings.
+Standard library only: it runs with ``-I -S`` and cannot import jaxrl. The caller's side (the file list,
+the filter, the host check) is in ``sandbox_host``: this file is compiled from source on every run.
 """
 
 from __future__ import annotations
@@ -573,300 +573,6 @@ class Confinement:
             resource.setrlimit(res, value)
 
 
-# -- the caller's side: what the root holds, the seccomp filter, one check of the host ------------------
-
-# Syscalls no test program needs, refused with EPERM in every run (names missing on an arch are skipped):
-# keyrings (they outlive the run), other processes' memory and fds, mounts and namespaces (clone's
-# namespace flags too), the kernel's own machinery, and io_uring (its operations bypass seccomp).
-_DENIED_SYSCALLS = (
-    "add_key", "request_key", "keyctl",
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "mount", "umount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
-    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
-    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "socketpair",  # AF_UNIX only (socket is filtered by domain below)
-    "acct", "swapon", "swapoff", "reboot", "sethostname", "setdomainname", "iopl", "ioperm",
-    "quotactl", "quotactl_fd", "lookup_dcookie", "personality", "syslog", "vhangup", "uselib", "ustat",
-    "sysfs", "_sysctl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "open_by_handle_at", "name_to_handle_at", "fanotify_init", "move_pages", "migrate_pages",
-)
-_AF_INET, _AF_INET6 = 2, 10  # the only socket domains allowed (the network namespace leaves them no peer)
-# NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET (NEWTIME is unshare/clone3 only: its bit is
-# part of clone's exit signal)
-_CLONE_NAMESPACE_BITS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
-# libseccomp's stable ABI (<seccomp.h>, 2.x)
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_FLTATR_ACT_BADARCH, _SCMP_FLTATR_CTL_OPTIMIZE = 2, 8
-_SCMP_CMP_LT, _SCMP_CMP_EQ, _SCMP_CMP_GT, _SCMP_CMP_MASKED_EQ = 2, 4, 6, 7
-
-
-def _load_libseccomp():
-    """libseccomp via ctypes, or None where it is not installed."""
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
-    except OSError:
-        from ctypes.util import find_library
-
-        name = find_library("seccomp")
-        try:
-            lib = ctypes.CDLL(name, use_errno=True) if name else None
-        except OSError:
-            lib = None
-    if lib is None:
-        return None
-    ctx, u32, c_int = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int
-    for fn, restype, argtypes in (
-        ("seccomp_init", ctx, [u32]),
-        ("seccomp_release", None, [ctx]),
-        ("seccomp_arch_native", u32, []),
-        ("seccomp_arch_add", c_int, [ctx, u32]),
-        ("seccomp_arch_remove", c_int, [ctx, u32]),
-        ("seccomp_attr_set", c_int, [ctx, c_int, u32]),
-        ("seccomp_syscall_resolve_name_arch", c_int, [u32, ctypes.c_char_p]),
-        ("seccomp_rule_add_array", c_int, [ctx, u32, c_int, ctypes.c_uint, ctypes.c_void_p]),
-        ("seccomp_export_bpf", c_int, [ctx, c_int]),
-    ):
-        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
-    return lib
-
-
-class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                ("datum_b", ctypes.c_uint64)]
-
-
-def seccomp_filter(no_fork: bool, machine: str | None = None) -> bytes | None:
-    """The sandbox's seccomp filter, compiled by libseccomp to BPF (``struct sock_filter`` array, this
-    machine's byte order) for ``machine`` (``os.uname().machine``; default this one's). None without libseccomp.
-
-    Default allow; EPERM for ``_DENIED_SYSCALLS``, ``socket`` of any domain but AF_INET/AF_INET6 (Unix,
-    netlink, packet, vsock, ...; compared as 64-bit, so high bits cannot smuggle AF_UNIX through), ``clone``
-    with a namespace flag; ENOSYS for ``clone3`` (its flags are in memory, which a filter cannot read; glibc
-    then uses ``clone``). ``no_fork``: also EPERM for ``fork``, ``vfork`` and ``clone`` without
-    ``CLONE_THREAD`` (threads still work). A syscall of another ABI (i386 ``int 0x80``, x32 on x86_64)
-    gets EPERM: libseccomp checks the arch and the x32 bit.
-    """
-    lib = _load_libseccomp()
-    if lib is None:
-        return None
-    eperm = 0x00050000 | errno.EPERM
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise OSError("seccomp_init failed")
-    try:
-        arch = lib.seccomp_arch_native()
-        if machine is not None and machine != os.uname().machine:
-            if machine not in _SECCOMP_ARCHES:
-                raise ValueError(f"no seccomp arch known for machine {machine!r}")
-            other = _SECCOMP_ARCHES[machine][0]
-            if lib.seccomp_arch_add(ctx, other) != 0 or lib.seccomp_arch_remove(ctx, arch) != 0:
-                raise OSError(f"libseccomp cannot build a filter for {machine}")
-            arch = other
-        if lib.seccomp_attr_set(ctx, _SCMP_FLTATR_ACT_BADARCH, eperm) != 0:
-            raise OSError("libseccomp: cannot set the action for foreign ABIs")
-        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_OPTIMIZE, 2)  # a binary tree of syscalls (libseccomp >= 2.5)
-
-        def rule(name: str, action: int, *cmps: tuple[int, int, int, int]) -> None:
-            nr = lib.seccomp_syscall_resolve_name_arch(arch, name.encode())
-            if nr < 0:  # not a syscall on this arch
-                return
-            args = (_ArgCmp * len(cmps))(*(_ArgCmp(*c) for c in cmps)) if cmps else None
-            rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), args)
-            if rc != 0:
-                raise OSError(-rc, f"libseccomp: rule for {name}: {os.strerror(-rc)}")
-
-        for name in _DENIED_SYSCALLS:
-            rule(name, eperm)
-        rule("clone3", 0x00050000 | errno.ENOSYS)
-        rule("socket", eperm, (0, _SCMP_CMP_LT, _AF_INET, 0))
-        rule("socket", eperm, (0, _SCMP_CMP_GT, _AF_INET6, 0))
-        for domain in range(_AF_INET + 1, _AF_INET6):
-            rule("socket", eperm, (0, _SCMP_CMP_EQ, domain, 0))
-        for bit in _CLONE_NAMESPACE_BITS:
-            rule("clone", eperm, (0, _SCMP_CMP_MASKED_EQ, bit, bit))
-        if no_fork:
-            rule("fork", eperm)
-            rule("vfork", eperm)
-            rule("clone", eperm, (0, _SCMP_CMP_MASKED_EQ, _CLONE_THREAD, 0))
-        read_fd, write_fd = os.pipe()
-        try:
-            rc = lib.seccomp_export_bpf(ctx, write_fd)
-            os.close(write_fd)
-            write_fd = None
-            if rc != 0:
-                raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
-            chunks = []
-            while chunk := os.read(read_fd, 65536):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(read_fd)
-            if write_fd is not None:
-                os.close(write_fd)
-    finally:
-        lib.seccomp_release(ctx)
-
-
-# Extension modules that cannot work in the sandbox (no display, terminal, sound device, NIS or /etc/shadow):
-# the libraries only they load stay out of the root (tkinter alone brings X11, Tcl/Tk and fonts).
-_USELESS_MODULES = {"_tkinter", "readline", "_curses", "_curses_panel", "ossaudiodev", "nis", "spwd"}
-
-
-def _list_interpreter_files() -> None:
-    """``--list-files``: print what this interpreter needs, one ``bind\tPATH`` or ``hide\tPATH`` a line.
-
-    Binds: its stdlib dirs (``sys.path`` under ``-I -S``), its executable, ``/etc/ld.so.cache`` and every
-    shared object it maps after importing each extension module of the stdlib (but ``_USELESS_MODULES``)
-    and loading ``libgcc_s``
-    (glibc loads it on ``pthread_exit``): each by the name the dynamic loader opened it under
-    (``dl_iterate_phdr``, so ``/lib64/ld-linux-x86-64.so.2`` and ``/lib/...`` work in the root) and by its
-    real path (``/proc/self/maps``). Hides: ``site-packages`` / ``dist-packages`` in the stdlib dirs.
-    """
-    import threading
-
-    stdlib = [os.path.normpath(p) for p in sys.path if os.path.isdir(p)]  # as the program's interpreter names them
-    for d in stdlib:
-        for name in sorted(os.listdir(d)):
-            if name.endswith(".so") and name.split(".")[0] not in _USELESS_MODULES:
-                try:
-                    __import__(name.split(".")[0])
-                except BaseException:  # noqa: BLE001 - a module whose library is missing is not needed
-                    pass
-    try:
-        ctypes.CDLL("libgcc_s.so.1")
-    except OSError:
-        pass
-    thread = threading.Thread(target=lambda: None)
-    thread.start()
-    thread.join()
-    names = {sys.executable, "/etc/ld.so.cache"}
-
-    class Info(ctypes.Structure):  # the head of struct dl_phdr_info
-        _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
-
-    def seen(info, size, data):
-        if info.contents.name:
-            names.add(os.fsdecode(info.contents.name))
-        return 0
-
-    callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)(seen)
-    ctypes.CDLL(None).dl_iterate_phdr(callback, None)
-    names = {os.path.normpath(p) for p in names if os.path.isabs(p) and os.path.isfile(p)}  # no "..": stays in the root
-    inodes = {(st.st_dev, st.st_ino) for st in map(os.stat, names)}
-    with open("/proc/self/maps") as f:  # files mapped under no name the loader knows (locale data, ...)
-        for line in f:
-            fields = line.rstrip("\n").split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/") and os.path.isfile(fields[5]):
-                st = os.stat(fields[5])
-                if (st.st_dev, st.st_ino) not in inodes:
-                    inodes.add((st.st_dev, st.st_ino))
-                    names.add(os.path.normpath(fields[5]))
-    dirs = [d for d in stdlib if not any(d.startswith(o + os.sep) for o in stdlib)]
-    files = sorted(
-        p for p in names if not any(p.startswith(d + os.sep) for d in dirs)
-    )
-    lines = [f"bind\t{p}" for p in dirs + files]
-    lines += [f"hide\t{d}/{sub}" for d in dirs for sub in ("site-packages", "dist-packages")
-              if os.path.isdir(os.path.join(d, sub))]
-    sys.stdout.write("\n" + "\n".join(lines) + "\n")  # a newline first: an imported module may write junk
-
-
-class HostSetup:
-    """What every run of one interpreter on this host gets: ``root`` and ``hide`` (paths, empty where no
-    minimal root can be built) and ``filters`` (``no_fork`` -> BPF bytes, empty without libseccomp)."""
-
-    def __init__(self, root: tuple[str, ...], hide: tuple[str, ...], filters: dict[bool, bytes]):
-        self.root, self.hide, self.filters = root, hide, filters
-
-
-_host_setups: dict[str, HostSetup] = {}
-
-
-def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetup:
-    """The ``HostSetup`` for ``interpreter``, found once per process (about 0.2 s): list its files, compile
-    the filters, run the launcher once on an empty program with everything asked for, and log one warning
-    per thing this host cannot do, naming what the sandbox falls back to. Runs as the caller (parent)."""
-    if interpreter in _host_setups:
-        return _host_setups[interpreter]
-    import logging
-    import subprocess
-    import tempfile
-
-    log = logging.getLogger("jaxrl.rewards.sandbox")
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    root: list[str] = []
-    hide: list[str] = []
-    problems = []
-    try:
-        out = subprocess.run([interpreter, "-I", "-S", "-B", os.path.abspath(__file__), "--list-files"],
-                             capture_output=True, text=True, env=env, timeout=60, check=True).stdout
-        for line in out.splitlines():
-            kind, _, path = line.partition("\t")
-            if kind in ("bind", "hide") and os.pathsep not in path:
-                (root if kind == "bind" else hide).append(path)
-    except (OSError, subprocess.SubprocessError) as e:
-        problems.append(f"cannot list the files of {interpreter} ({e})")
-    filters: dict[bool, bytes] = {}
-    try:
-        for no_fork in (False, True):
-            prog = seccomp_filter(no_fork)
-            if prog is not None:
-                filters[no_fork] = prog
-    except (OSError, ValueError) as e:
-        problems.append(f"libseccomp failed: {e}")
-    # One real run: what does this host grant?
-    got, error = set(), None
-    tmpdir = tempfile.mkdtemp(prefix=f"{tmp_prefix}{os.getpid()}_")
-    read_fd, write_fd = os.pipe()
-    try:
-        spec = {name: 1 for name in _LIMITS} | {
-            "wall_time_s": 10, "cpu_time_s": 5, "memory_mb": 512, "max_processes": 32,
-            "namespaces": ",".join(_NAMESPACE_FLAGS), "no_fork": 1, "root": os.pathsep.join(root),
-            "hide": os.pathsep.join(hide), "seccomp": filters.get(True, b"").hex(), "tmpdir": tmpdir,
-            "report_fd": write_fd, "parent_pid": os.getpid(),
-        }
-        argv = [interpreter, "-I", "-S", "-B", os.path.abspath(__file__),
-                *(f"{k}={v}" for k, v in spec.items()), "--", interpreter, "-S", "-c", "pass"]
-        subprocess.run(argv, cwd=tmpdir, env=env, pass_fds=[write_fd], capture_output=True, timeout=60,
-                       start_new_session=True, check=False)
-        os.close(write_fd)
-        write_fd = None
-        report = os.read(read_fd, 4096).decode("utf-8", "replace").splitlines() or ["error (no report)"]
-        if report[0].startswith("ok"):
-            got = set(report[0].split()[1:])
-        error = next((line[6:] for line in report if line.startswith("error ")), None)
-    except (OSError, subprocess.SubprocessError) as e:
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        for fd in (read_fd, write_fd):
-            if fd is not None:
-                os.close(fd)
-        subprocess.run(["rm", "-rf", "--", tmpdir], check=False, capture_output=True)
-    if error is not None and root:  # runs go on without the root (a failure there is fail-closed)
-        problems.append(f"the minimal root cannot be built ({error})")
-        root, hide = [], []
-    elif "mnt" not in got:
-        problems.append("no mount namespace (no user namespaces here?)")
-    if problems and not root:
-        problems[-1] += (": programs see the host's filesystem (whatever uid 65534 may read) with private"
-                         " tmpfs over /tmp, /var/tmp, /dev/shm and /run/lock where a mount namespace exists")
-    missing = {"pid", "ipc", "net"} - got
-    if missing and error is None:
-        problems.append(f"no {', '.join(sorted(missing))} namespace(s): see the known gaps in jaxrl.rewards.sandbox")
-    if not filters:
-        problems.append("no libseccomp: no syscall filter (Unix sockets, keyrings, ptrace, mount stay open);"
-                        " assert tests keep the hand-built no-fork filter")
-    elif "seccomp" not in got and error is None:
-        problems.append("the kernel refused the seccomp filter: no syscall filter, and assert tests rely on"
-                        " the harness's pid check alone")
-    for problem in problems:
-        log.warning("sandbox: %s. (Logged once per process.)", problem)
-    setup = HostSetup(tuple(root), tuple(hide), filters)
-    _host_setups[interpreter] = setup
-    return setup
-
-
 def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """``[KEY=VALUE..., "--", *program_argv]`` -> (settings, program argv)."""
     if "--" not in argv:
@@ -898,7 +604,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--list-files"]:
-        _list_interpreter_files()
-    else:
-        main(sys.argv[1:])
+    main(sys.argv[1:])
