@@ -346,3 +346,25 @@ def test_reference_json_tests_run_confined():
     assert code_reward("```python\nprint(int(input()) ** 2)\n```", reference) == 1.0
     cheat = f"```python\nprint(open({os.path.join(REPO, 'README.md')!r}).read() and 4)\n```"
     assert code_reward(cheat, reference) == 0.0
+
+
+def test_a_root_that_cannot_be_built_fails_closed(monkeypatch):
+    # A run asked to use a root never falls back to the host's files on its own: it is a sandbox_error.
+    _needs_root()
+    broken = sandbox_host.HostSetup(_setup().root + ("/nonexistent/jaxrl_confine.so",), _setup().hide,
+                                    _setup().filters)
+    monkeypatch.setitem(sandbox_host._host_setups, sandbox._base_interpreter(), broken)
+    status, out, err = run_program("print('ran')", "", FAST)
+    assert (status, out) == ("sandbox_error", ""), (status, out, err)
+    assert "nonexistent" in err
+
+
+def test_a_host_without_the_root_is_said_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_host, "_host_setups", {})
+    with caplog.at_level(logging.WARNING, logger="jaxrl.rewards.sandbox"):
+        first = sandbox_host.host_setup("/nonexistent/python3")
+        second = sandbox_host.host_setup("/nonexistent/python3")
+    assert first is second and first.root == () and first.hide == ()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == len(set(said)) >= 1, said  # each problem once, not again on the second call
+    assert any("cannot list the files" in m and "programs see the host's files" in m for m in said), said

@@ -65,7 +65,10 @@ def _load_libseccomp():
         ("seccomp_rule_add_array", c_int, [ctx, u32, c_int, ctypes.c_uint, ctypes.c_void_p]),
         ("seccomp_export_bpf", c_int, [ctx, c_int]),
     ):
-        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+        try:
+            getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+        except AttributeError:  # a libseccomp too old for this binding
+            return None
     return lib
 
 
@@ -241,6 +244,7 @@ def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetu
     root: list[str] = []
     hide: list[str] = []
     problems = []
+    list_error = f"{interpreter} listed no files"
     try:
         out = subprocess.run([interpreter, "-I", "-S", "-B", os.path.abspath(__file__), "--list-files"],
                              capture_output=True, text=True, env=env, timeout=60, check=True).stdout
@@ -249,7 +253,7 @@ def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetu
             if kind in ("bind", "hide") and os.pathsep not in path:
                 (root if kind == "bind" else hide).append(path)
     except (OSError, subprocess.SubprocessError) as e:
-        problems.append(f"cannot list the files of {interpreter} ({e})")
+        list_error = f"cannot list the files of {interpreter} ({e})"
     filters: dict[bool, bytes] = {}
     try:
         for no_fork in (False, True):
@@ -286,14 +290,14 @@ def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetu
             if fd is not None:
                 os.close(fd)
         subprocess.run(["rm", "-rf", "--", tmpdir], check=False, capture_output=True)
-    if error is not None and root:  # runs go on without the root (a failure there is fail-closed)
-        problems.append(f"the minimal root cannot be built ({error})")
+    host_files = ("programs see the host's files (whatever uid 65534 may read), with private tmpfs over /tmp,"
+                  " /var/tmp, /dev/shm and /run/lock where a mount namespace exists")
+    if not root:
+        problems.append(f"no minimal root, as {list_error}: {host_files}")
+    elif error is not None:  # runs go on without the root (a run that asks for one and fails is an error)
+        why = "no mount namespace (no user namespaces here?)" if "no mount namespace" in error else error
+        problems.append(f"the minimal root cannot be built ({why}): {host_files}")
         root, hide = [], []
-    elif "mnt" not in got:
-        problems.append("no mount namespace (no user namespaces here?)")
-    if problems and not root:
-        problems[-1] += (": programs see the host's filesystem (whatever uid 65534 may read) with private"
-                         " tmpfs over /tmp, /var/tmp, /dev/shm and /run/lock where a mount namespace exists")
     missing = {"pid", "ipc", "net"} - got
     if missing and error is None:
         problems.append(f"no {', '.join(sorted(missing))} namespace(s): see the known gaps in jaxrl.rewards.sandbox")
