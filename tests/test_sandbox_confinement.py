@@ -178,6 +178,9 @@ def test_the_root_is_read_only_and_lists_nothing():
         "probe('site_packages', lambda: os.listdir(os.path.join(os.path.dirname(os.__file__), 'site-packages'))"
         " if os.path.isdir(os.path.join(os.path.dirname(os.__file__), 'site-packages')) else [])\n"
         "probe('etc', lambda: os.listdir('/etc'))\n"
+        # the PID namespace's init kept the host's cwd (the run's real dir): it is not reachable through /proc
+        "probe('init_cwd', lambda: os.listdir('/proc/1/cwd'))\n"
+        "probe('init_root', lambda: os.listdir('/proc/1/root'))\n"
         "probe('devices', lambda: (open('/dev/null', 'w').write('x'), len(open('/dev/urandom', 'rb').read(4)),"
         " open('/dev/zero', 'rb').read(2)))\n"
     )
@@ -187,6 +190,7 @@ def test_the_root_is_read_only_and_lists_nothing():
     assert got["list_root"] == f"errno {errno.EACCES}", got
     assert got["list_stdlib"] == "True" and got["site_packages"] == "[]", got
     assert got["etc"] == f"errno {errno.EACCES}", got  # /etc holds only ld.so.cache, and cannot be listed
+    assert got["init_cwd"] == got["init_root"] == f"errno {errno.EACCES}", got
     assert got["devices"] == "(1, 4, b'\\x00\\x00')", got
 
 
