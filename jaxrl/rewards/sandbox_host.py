@@ -255,13 +255,14 @@ def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetu
     except (OSError, subprocess.SubprocessError) as e:
         list_error = f"cannot list the files of {interpreter} ({e})"
     filters: dict[bool, bytes] = {}
+    filter_error = "libseccomp is not installed"
     try:
         for no_fork in (False, True):
             prog = seccomp_filter(no_fork)
             if prog is not None:
                 filters[no_fork] = prog
     except (OSError, ValueError) as e:
-        problems.append(f"libseccomp failed: {e}")
+        filters, filter_error = {}, f"libseccomp failed: {e}"
     # One real run: what does this host grant?
     got, error = set(), None
     tmpdir = tempfile.mkdtemp(prefix=f"{tmp_prefix}{os.getpid()}_")
@@ -302,7 +303,7 @@ def host_setup(interpreter: str, tmp_prefix: str = "jaxrl_sandbox_") -> HostSetu
     if missing and error is None:
         problems.append(f"no {', '.join(sorted(missing))} namespace(s): see the known gaps in jaxrl.rewards.sandbox")
     if not filters:
-        problems.append("no libseccomp: no syscall filter (Unix sockets, keyrings, ptrace, mount stay open);"
+        problems.append(f"{filter_error}: no syscall filter (Unix sockets, keyrings, ptrace, mount stay open);"
                         " assert tests keep the hand-built no-fork filter")
     elif "seccomp" not in got and error is None:
         problems.append("the kernel refused the seccomp filter: no syscall filter, and assert tests rely on"
