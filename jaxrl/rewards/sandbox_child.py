@@ -28,7 +28,8 @@ a tmpfs (mounted over the run's dir, so no other host path is touched) holding, 
 own paths, exactly what the base interpreter needs: its executable, its stdlib dirs (``site-packages``
 covered by an empty tmpfs), the shared objects it loads and ``/etc/ld.so.cache`` (so the dynamic loader
 finds them at the same paths); then ``/dev`` with only ``null``, ``zero``, ``random`` and ``urandom``
-(and ``fd``/``stdin``/``stdout``/``stderr`` links), a fresh ``/proc`` where a PID namespace exists, tmpfs
+(and ``fd``/``stdin``/``stdout``/``stderr`` links), a fresh ``/proc`` where a PID namespace exists (else
+the host's, as without a root), tmpfs
 ``/tmp`` and ``/dev/shm`` (16 MB each) and the run's dir (a size-capped tmpfs holding copies of its
 files). ``pivot_root`` into it and a detach of the old root leave nothing of the host: no ``/run``,
 ``/var/run``, ``/etc`` but the loader cache, ``/home``, ``/root``, nor the checkout. The root and every bind are
@@ -500,6 +501,8 @@ class Confinement:
                 _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
             if fresh_proc:  # before the host's /proc goes: a user namespace may mount proc only while one is visible
                 _mount("proc", "proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+            else:  # no PID namespace: the host's /proc, as without a root (a known gap), which the uid drop needs
+                _mount("/proc", "proc", None, _MS_BIND | _MS_REC)
             os.makedirs(work, exist_ok=True)
             self._copy_work_dir(real, work)
             _check(_libc.syscall(_SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
