@@ -184,13 +184,17 @@ class _MountAttr(ctypes.Structure):  # struct mount_attr
                 ("userns_fd", ctypes.c_uint64)]
 
 
-def _make_read_only(top: str, binds: list[str]) -> None:
-    """Make the mount at ``top`` and every mount below it read-only: one ``mount_setattr(AT_RECURSIVE)``
-    where the kernel has it, else a remount of ``top`` and of each of ``binds`` (each keeping the flags it
-    has: a user namespace may not drop them; a bind ignores MS_RDONLY until remounted)."""
-    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
-    if _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, top.encode(), _AT_RECURSIVE, ctypes.byref(attr),
-                     ctypes.c_size_t(ctypes.sizeof(attr))) == 0:
+def _make_read_only(top: str, binds: list[str], writable: str) -> None:
+    """Make the mount at ``top`` and every mount below it but ``writable`` (itself, not what is below it)
+    read-only: one ``mount_setattr(AT_RECURSIVE)`` and one to clear ``writable`` where the kernel has it,
+    else a remount of ``top`` and of each of ``binds`` (each keeping the flags it has: a user namespace may
+    not drop them; a bind ignores MS_RDONLY until remounted)."""
+    size = ctypes.c_size_t(ctypes.sizeof(_MountAttr))
+    read_only, read_write = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0), _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0)
+    if _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, top.encode(), _AT_RECURSIVE, ctypes.byref(read_only),
+                     size) == 0:
+        _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, writable.encode(), 0, ctypes.byref(read_write),
+                             size), f"mount_setattr {writable}")
         return
     if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):
         err = ctypes.get_errno()
@@ -482,6 +486,8 @@ class Confinement:
             for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                                  ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
                 os.symlink(target, f"dev/{name}")
+            # /tmp first: an interpreter under /tmp is then bound inside it, not hidden by it
+            _mount("tmpfs", "tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
             for path in self.root:
                 target = path.lstrip("/")
                 if os.path.isdir(path):
@@ -494,11 +500,10 @@ class Confinement:
                 if os.path.isdir(path.lstrip("/")):
                     _mount("tmpfs", path.lstrip("/"), "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k")
             os.makedirs(work, exist_ok=True)  # for a run dir outside /tmp, while the skeleton is writable
-            _make_read_only(".", [p.lstrip("/") for p in self.root])
+            _make_read_only(".", [p.lstrip("/") for p in self.root], writable="tmp")
             for name in _DEVICES:
                 _mount(f"/dev/{name}", f"dev/{name}", None, _MS_BIND)
-            for d in ("tmp", "dev/shm"):
-                _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
+            _mount("tmpfs", "dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_SIZE)
             if fresh_proc:  # before the host's /proc goes: a user namespace may mount proc only while one is visible
                 _mount("proc", "proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
             else:  # no PID namespace: the host's /proc, as without a root (a known gap), which the uid drop needs
