@@ -72,8 +72,8 @@ namespaces, ``--ro-bind``/``--dev``/``--proc``/``--tmpfs`` to build a root much 
 own), but no rlimits or size-capped work dir. nsjail (Google) adds rlimits, cgroup limits (memory and pids
 per run, which would close our memory gap where cgroups are delegated), and seccomp policies in its own
 language (Kafel), configured in protobuf text. Both are C/C++ binaries with no interpreter to start, where
-this launcher spends 8-27 ms (measured on a loaded 2-core machine) from its start to the program's exec,
-mostly Python start-up and ``import ctypes``. We use neither: each is a system package every user and CI
+this launcher spends 14-43 ms (measured on a loaded 2-core machine) from its start to the program's exec,
+mostly Python start-up, compiling this file and the namespaces (building the root takes 2-4 ms of it). We use neither: each is a system package every user and CI
 machine would have to install (neither is on PyPI; nsjail is also hard to build), while this launcher
 needs only the Python that runs jaxrl, libc and the ubiquitous libseccomp, and keeps the caller free of
 forks, the report protocol and the nested-namespace privilege drop below in one place we test.

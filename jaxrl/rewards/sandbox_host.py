@@ -2,7 +2,7 @@
 one check of what this host grants (see ``sandbox_child``'s docstring for the design).
 
 Kept out of ``sandbox_child.py`` because that file is compiled from source on every run (a script has no
-cached bytecode): these ~300 lines cost about 5 ms a run there. Standard library only, since this file
+cached bytecode): these ~300 lines cost about 5 ms of compiling per run there (measured under load). Standard library only, since this file
 also runs as ``<base python> -I -S sandbox_host.py --list-files`` under the interpreter it describes.
 """
 
