@@ -372,3 +372,16 @@ def test_a_host_without_the_root_is_said_once(monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == len(set(said)) >= 1, said  # each problem once, not again on the second call
     assert any("cannot list the files" in m and "programs see the host's files" in m for m in said), said
+
+
+def test_every_denied_syscall_name_is_known():
+    # A misspelt name would be skipped like a syscall missing on the arch: a silent hole in the filter.
+    lib = sandbox_host._load_libseccomp()
+    if lib is None:
+        pytest.skip("no libseccomp here")
+    names = (*sandbox_host._DENIED_SYSCALLS, "clone3", "clone", "fork", "vfork", "socket")
+    unknown = [n for n in names if lib.seccomp_syscall_resolve_name_arch(0xC000003E, n.encode()) == -1]
+    assert not unknown, unknown  # -1 is __NR_SCMP_ERROR: libseccomp knows no syscall of that name
+    # x86_64 numbers for a few, from the kernel's syscall_64.tbl
+    for name, nr in (("keyctl", 250), ("ptrace", 101), ("io_uring_setup", 425), ("socketpair", 53)):
+        assert lib.seccomp_syscall_resolve_name_arch(0xC000003E, name.encode()) == nr
