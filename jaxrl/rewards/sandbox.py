@@ -156,6 +156,7 @@ from collections.abc import Sequence
 
 from jaxrl.rewards.pool import item_deadline
 from jaxrl.rewards.sandbox_child import NOBODY
+from jaxrl.rewards.sandbox_host import host_setup
 
 __all__ = [
     "CaseResult",
@@ -366,15 +367,24 @@ _PYTHON_FLAGS = ("-s", "-S", "-B", "-P")
 def _launcher_argv(
     interpreter: str, limits: SandboxLimits, tmpdir: str, report_fd: int, no_fork: bool = False
 ) -> list[str]:
-    """``sandbox_child.py``'s command line, up to and including ``--`` (the program's argv follows)."""
+    """``sandbox_child.py``'s command line, up to and including ``--`` (the program's argv follows).
+
+    The minimal root's paths and the seccomp filter come from ``sandbox_host.host_setup(interpreter)``
+    (found once per process; it logs what this host cannot do)."""
+    setup = host_setup(interpreter, _DIR_PREFIX)
+    namespaces = _namespaces_to_enter(limits)
+    root = setup.root if "mnt" in namespaces else ()  # without a mount namespace: the host's files
     spec = {
         "wall_time_s": limits.wall_time_s,
         "cpu_time_s": limits.cpu_time_s,
         "memory_mb": limits.memory_mb,
         "file_size_mb": limits.file_size_mb,
         "max_processes": limits.max_processes,
-        "namespaces": ",".join(_namespaces_to_enter(limits)),
+        "namespaces": ",".join(namespaces),
         "no_fork": int(no_fork),
+        "root": os.pathsep.join(root),
+        "hide": os.pathsep.join(setup.hide if root else ()),
+        "seccomp": setup.filters.get(no_fork, b"").hex(),
         "tmpdir": tmpdir,
         "report_fd": report_fd,
         "parent_pid": os.getpid(),
