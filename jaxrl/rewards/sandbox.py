@@ -143,7 +143,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import selectors
 import shutil
 import signal
@@ -154,6 +153,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
+from jaxrl.rewards import assert_check
 from jaxrl.rewards.pool import item_deadline
 from jaxrl.rewards.sandbox_child import NOBODY
 
@@ -281,60 +281,91 @@ def run_script(path):
 run_script(sys.argv[1])
 """
 
-# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD MARKER_FD`` in the sandbox dir. CASE_FD is an unlinked
-# file holding "<nonce>\n<assert statement>"; the harness reads and closes it before the program runs,
-# so neither is on disk, in argv or in the environment. The program runs as the script ``prog.py``
-# (``__main__``, absolute ``__file__``, ``sys.argv == ["prog.py"]``), then the statement runs in its
-# namespace, with tracing reset so a trace function cannot jump over it. Only then is the nonce
-# written to MARKER_FD, and the parent counts the case as passed only if exactly that nonce arrives.
-# An exception, ``SystemExit`` included, exits with status 1 (skipping ``atexit`` handlers); ending
-# the process some other way (``os._exit``, ``exec``, a signal) leaves the marker unwritten. Writing
-# junk to MARKER_FD only spoils the marker. Everything used after the program runs is bound first,
-# so patching ``builtins``, ``sys`` or ``os`` cannot redirect it. Only the process that started the
-# harness writes the nonce: a child the program forked (one per guessed answer, each running into the
-# statement, the parent exiting 0 once one wrote the nonce) exits with status 1 whether or not its
-# statement held, without a traceback. The launcher's seccomp filter normally stops such forks
-# outright (``sandbox_child.no_fork_filter``); this check is what is left where it cannot be installed.
-# Residual risk: the nonce is in this process's memory (a local of ``run_case``), so a program that
-# deliberately digs it out (its caller's frame, ``gc``, ``ctypes``) can forge a pass; see the module
-# docstring.
-_ASSERT_HARNESS = _QUIT_BUILTINS + r"""
+# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD REQUEST_FD REPLY_FD`` in the sandbox dir: the program's
+# half of an assert test (see ``assert_check``). CASE_FD is an unlinked file holding the JSON list of the
+# test's program-side code (``[["eval", "f(2)"], ...]``, never the checker side); the harness reads and
+# closes it, runs the program as the script ``prog.py`` (``__main__``, absolute ``__file__``,
+# ``sys.argv == ["prog.py"]``), sends ``["ready"]`` on REPLY_FD, then answers requests ``[i, [values]]``
+# from REQUEST_FD with ``["ok", value]``, ``["raise", "ValueError", [args]]`` or ``["bad", why]`` (a value
+# that is not plain), until REQUEST_FD closes. Messages are a 4-byte big-endian length and JSON. The
+# program shares this process and may rewrite any of it, or answer itself: that only changes the values
+# it sends, which it controls anyway. The caller decodes them as untrusted data and decides. An exception
+# while the program runs, ``SystemExit`` included, exits with status 1 before "ready".
+_ASSERT_HARNESS = _QUIT_BUILTINS + assert_check.CODEC_SOURCE + r"""
 import os
 
 
-def run_case(case_fd, marker_fd):
-    write, exit_now, run, report, getpid = os.write, os._exit, exec, sys.__excepthook__, os.getpid
-    settrace, setprofile = sys.settrace, sys.setprofile
-    harness_pid = getpid()
+def _send(fd, text):
+    data = text.encode("utf-8", "surrogatepass")
+    data = len(data).to_bytes(4, "big") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _builtin_name(e):
+    for cls in type(e).__mro__:
+        if cls.__module__ == "builtins":
+            return cls.__name__
+    return "Exception"
+
+
+def serve(case_fd, request_fd, reply_fd, max_reply):
     with os.fdopen(case_fd, "rb") as f:
-        nonce, _, test = f.read().partition(b"\n")
+        codes = _json.loads(f.read())
     try:
         path = os.path.abspath("prog.py")
         with open(path, "rb") as f:
             program = compile(f.read(), path, "exec", dont_inherit=True)
-        check = compile(test, "<test>", "exec", dont_inherit=True)
+        compiled = [compile(src, "<test>", mode, dont_inherit=True) for mode, src in codes]
         main = type(sys)("__main__")
         main.__file__, main.__builtins__ = path, __builtins__
         sys.modules["__main__"], sys.argv = main, ["prog.py"]
-        run(program, main.__dict__)
-        settrace(None)
-        setprofile(None)
-        run(check, main.__dict__)
-    except BaseException as e:  # SystemExit too: only completing the statement passes
-        if getpid() != harness_pid:  # a forked child: ends just as when its statement held
-            exit_now(1)
+        exec(program, main.__dict__)
+    except BaseException as e:  # SystemExit too: the program did not finish
         try:
-            report(type(e), e, e.__traceback__)
+            sys.__excepthook__(type(e), e, e.__traceback__)
         except BaseException:
             pass
-        exit_now(1)
-    if getpid() != harness_pid:  # a forked child may not pass for the program
-        exit_now(1)
-    write(marker_fd, nonce)
-    exit_now(0)
+        os._exit(1)
+    sys.settrace(None)
+    sys.setprofile(None)
+    _send(reply_fd, '["ready"]')
+    while True:
+        header = _read_exact(request_fd, 4)
+        if header is None:
+            os._exit(0)
+        index, values = decode(_read_exact(request_fd, int.from_bytes(header, "big")), 1 << 62, True)
+        for k, v in enumerate(values):
+            main.__dict__[f"_jaxrl_a{k}"] = v
+        try:
+            result = eval(compiled[index], main.__dict__)
+        except BaseException as e:
+            try:
+                args = encode(list(e.args))
+            except BaseException:
+                args = "[]"
+            _send(reply_fd, f'["raise",{_json.dumps(_builtin_name(e))},{args}]')
+            continue
+        try:
+            reply = f'["ok",{encode(result)}]'
+            if len(reply) > max_reply:
+                raise TypeError(f"the value is over {max_reply} bytes encoded")
+        except BaseException as e:
+            reply = f'["bad",{_json.dumps(str(e)[:200])}]'
+        _send(reply_fd, reply)
 
 
-run_case(int(sys.argv[1]), int(sys.argv[2]))
+serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
 """
 
 
@@ -499,15 +530,154 @@ def _read_now(fd: int) -> bytes:
         return b""
 
 
-def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None = None) -> _Run:
-    """Run ``prog.py`` once on ``stdin``, or, given ``assert_test``, through the assert harness."""
+class _Conversation:
+    """The caller's end of an assert test's pipes: requests out, replies in, while stdout/stderr are
+    drained under the output cap. Every failure is a ``ProgramGone`` naming the case's status."""
+
+    def __init__(self, proc: subprocess.Popen, request_w: int, reply_r: int, deadline: float, cap: int):
+        self.proc, self.request_w, self.reply_r, self.deadline, self.cap = proc, request_w, reply_r, deadline, cap
+        self.outputs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        self.reply = bytearray()
+        self.sel = selectors.DefaultSelector()
+        for fd in (*self.outputs, reply_r):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+        os.set_blocking(request_w, False)
+
+    def texts(self) -> tuple[str, str]:
+        return tuple(bytes(b).decode("utf-8", "replace") for b in self.outputs.values())
+
+    def _pump(self, timeout: float, write: bytes = b"") -> int:
+        """Read what is there within ``timeout`` (and write some of ``write``); returns bytes written."""
+        written = 0
+        if write:
+            self.sel.register(self.request_w, selectors.EVENT_WRITE)
+        try:
+            events = self.sel.select(timeout)
+        finally:
+            if write:
+                self.sel.unregister(self.request_w)
+        for key, _ in events:
+            if key.fd == self.request_w:
+                try:
+                    written = os.write(self.request_w, write)
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    raise assert_check.ProgramGone(self._ended()) from None
+                continue
+            while True:
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    break
+                if not data:
+                    self.sel.unregister(key.fd)
+                    break
+                if key.fd == self.reply_r:
+                    self.reply += data
+                    if len(self.reply) > assert_check.MAX_REPLY_BYTES + 4096:
+                        raise assert_check.ProgramGone("bad_reply", "a reply over the size limit")
+                    continue
+                buf = self.outputs[key.fd]
+                buf += data[: self.cap - len(buf) + 1]
+                if len(buf) > self.cap:
+                    del buf[self.cap:]
+                    raise assert_check.ProgramGone("output_limit")
+        return written
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise assert_check.ProgramGone("timeout")
+        return left
+
+    def _ended(self) -> str:
+        """The status of a program that stopped talking: wait for its exit (draining output) and name it."""
+        while self.proc.poll() is None:
+            self._pump(min(self._left(), 0.05))
+        self._pump(0)
+        return "early_exit" if self.proc.returncode == 0 else _classify(self.proc.returncode, self.texts()[1])
+
+    def recv(self) -> list:
+        """The next reply, decoded: a list whose first item is its kind. ProgramGone for anything else."""
+        while True:
+            if len(self.reply) >= 4:
+                size = int.from_bytes(self.reply[:4], "big")
+                if size > assert_check.MAX_REPLY_BYTES:
+                    raise assert_check.ProgramGone("bad_reply", f"a reply of {size} bytes")
+                if len(self.reply) >= 4 + size:
+                    data = bytes(self.reply[4:4 + size])
+                    del self.reply[:4 + size]
+                    try:
+                        message = assert_check.decode(data, assert_check.MAX_REPLY_BYTES)
+                    except ValueError as e:
+                        raise assert_check.ProgramGone("bad_reply", str(e)) from None
+                    if type(message) is not list or not message or type(message[0]) is not str:
+                        raise assert_check.ProgramGone("bad_reply", "a reply that is not a tagged list")
+                    return message
+            if self.reply_r not in self.sel.get_map() or self.proc.poll() is not None:
+                self._pump(0)
+                if len(self.reply) < 4 or len(self.reply) < 4 + int.from_bytes(self.reply[:4], "big"):
+                    raise assert_check.ProgramGone(self._ended())
+                continue
+            self._pump(min(self._left(), 0.1))
+
+    def send(self, data: bytes) -> None:
+        data = len(data).to_bytes(4, "big") + data
+        while data:
+            data = data[self._pump(min(self._left(), 0.1), data):]
+
+    def ask(self, index: int, values: tuple):
+        """``ask`` for ``assert_check.run_checker``: evaluate program-side code ``index`` with ``values``."""
+        try:
+            sent = ",".join(assert_check.encode(v, max_items=assert_check.MAX_ITEMS) for v in values)
+        except TypeError as e:
+            raise assert_check.UnsupportedTest(f"a value the test sends to the program: {e}") from None
+        self.send(f"[{index},[{sent}]]".encode("utf-8", "surrogatepass"))
+        reply = self.recv()
+        kind = reply[0]
+        if kind == "ok" and len(reply) == 2:
+            return reply[1]
+        if kind == "raise" and len(reply) == 3 and type(reply[1]) is str and type(reply[2]) is list:
+            raise assert_check.program_exception(reply[1], tuple(reply[2]))
+        if kind == "bad" and len(reply) == 2:
+            raise assert_check.NotPlain(str(reply[1])[:200])
+        raise assert_check.ProgramGone("bad_reply", f"a reply of kind {kind!r}")
+
+    def close(self) -> None:
+        self.sel.close()
+
+
+def _converse(
+    proc: subprocess.Popen, request_w: int, reply_r: int, test: assert_check.Plan, deadline: float, cap: int
+) -> tuple[str, str, str]:
+    """Run the checker of ``test`` against the program's replies; returns (status, stdout, stderr)."""
+    talk = _Conversation(proc, request_w, reply_r, deadline, cap)
+    try:
+        try:
+            if talk.recv() != ["ready"]:
+                raise assert_check.ProgramGone("bad_reply", "no ready message")
+            status = assert_check.run_checker(test, talk.ask, deadline)
+        except assert_check.ProgramGone as gone:
+            status = gone.status
+        except assert_check.UnsupportedTest:
+            status = "unsupported_test"
+        return (status, *talk.texts())
+    finally:
+        talk.close()
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: assert_check.Plan | None = None) -> _Run:
+    """Run ``prog.py`` once on ``stdin``, or, given the split ``assert_test``, through the assert harness,
+    answering its checker (see ``assert_check``)."""
     global _swept
     if not _swept:
         _swept = True
         _remove_orphaned_dirs()
     start = time.monotonic()
     tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}_")
-    report_r = report_w = marker_r = marker_w = case_file = None
+    report_r = report_w = request_r = request_w = reply_r = reply_w = case_file = None
     try:
         with open(os.path.join(tmpdir, _PROGRAM), "w", encoding="utf-8") as f:
             f.write(code)
@@ -522,14 +692,15 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
         program = [interpreter, *_PYTHON_FLAGS, "-c", _IO_BOOTSTRAP, os.path.join(tmpdir, _PROGRAM)]
         pass_fds = [report_w]
         if assert_test is not None:
-            nonce = secrets.token_hex(16).encode()
             case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
-            case_file.write(nonce + b"\n" + assert_test.encode("utf-8"))
+            case_file.write(json.dumps(assert_test.program_code).encode("utf-8", "surrogatepass"))
             case_file.flush()
             case_file.seek(0)
-            marker_r, marker_w = os.pipe()
-            program[-3:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
-            pass_fds += [case_file.fileno(), marker_w]
+            request_r, request_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            program[-3:] = ["-c", _ASSERT_HARNESS, *map(str, (case_file.fileno(), request_r, reply_w)),
+                            str(assert_check.MAX_REPLY_BYTES)]
+            pass_fds += [case_file.fileno(), request_r, reply_w]
         env = {**_ENV, "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
             proc = subprocess.Popen(  # no preexec_fn: the launcher confines itself, then execs
@@ -544,37 +715,39 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
                 pass_fds=pass_fds,
             )
         # Only the child keeps these: the case file then vanishes once the harness has read it.
-        for fd in (report_w, marker_w):
+        for fd in (report_w, request_r, reply_w):
             if fd is not None:
                 os.close(fd)
-        report_w = marker_w = None
+        report_w = request_r = reply_w = None
         if case_file is not None:
             case_file.close()
         try:
-            outcome, (out, err) = _read_bounded(
-                proc, start + limits.wall_time_s, limits.max_output_bytes
-            )
-            if outcome is None:
-                try:
-                    proc.wait(max(0.0, start + limits.wall_time_s - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    outcome = "timeout"
+            deadline = start + limits.wall_time_s
+            if assert_test is not None:
+                outcome, out, err = _converse(proc, request_w, reply_r, assert_test, deadline,
+                                              limits.max_output_bytes)
+            else:
+                outcome, (out, err) = _read_bounded(proc, deadline, limits.max_output_bytes)
+                if outcome is None:
+                    try:
+                        proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        outcome = "timeout"
         finally:
             _kill_group(proc)
             proc.stdout.close()
             proc.stderr.close()
         setup_error, namespaces = _read_report(report_r)
-        if setup_error is not None and outcome is None:  # a timeout during set-up stays a timeout
+        if setup_error is not None and outcome in (None, "early_exit", "runtime_error", "bad_reply"):
+            # the launcher failed: not the program's doing (a timeout during set-up stays a timeout)
             err = f"sandbox launcher: {setup_error}\n{err}"
             return _Run("sandbox_error", out, err, time.monotonic() - start, False)
         status = outcome or _classify(proc.returncode, err)
-        if status == "ok" and assert_test is not None and _read_now(marker_r) != nonce:
-            status = "early_exit"
         return _Run(status, out, err, time.monotonic() - start, "net" in namespaces)
     except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. no interpreter
         return _Run("sandbox_error", "", f"{type(e).__name__}: {e}", time.monotonic() - start, False)
     finally:
-        for fd in (report_r, report_w, marker_r, marker_w):
+        for fd in (report_r, report_w, request_r, request_w, reply_r, reply_w):
             if fd is not None:
                 os.close(fd)
         if case_file is not None:
@@ -659,7 +832,13 @@ def run_tests(
         else:
             run_limits = limits
         if is_assert:
-            r = _run(code, "", run_limits, assert_test=test["assert"])
+            try:
+                split = assert_check.plan(test["assert"])
+            except assert_check.UnsupportedTest as e:
+                log.debug("assert test not run: %s", e)
+                cases.append(CaseResult(False, "unsupported_test", 0.0))
+                continue
+            r = _run(code, "", run_limits, assert_test=split)
             passed, status = r.status == "ok", r.status
         else:
             # A correct program must never hit the output cap: allow twice the expected output and then some.
