@@ -243,8 +243,15 @@ class _Guarded:
 
     def set(self, iterable=()):
         items = list(self.iterate(iterable))
-        _hash_guard(items)
+        self.keys(items)
         return set(items)
+
+    @staticmethod
+    def keys(items: list) -> None:
+        try:
+            _hash_guard(items)
+        except ValueError as e:
+            raise CheckerLimit(str(e)) from None
 
     def frozenset(self, iterable=()):
         return frozenset(self.set(iterable))
@@ -256,7 +263,7 @@ class _Guarded:
             pairs = [tuple(p) for p in self.iterate(source)]
             if any(len(p) != 2 for p in pairs):
                 raise ValueError("dict() wants pairs")
-            _hash_guard([p[0] for p in pairs])
+            self.keys([p[0] for p in pairs])
         out = dict(pairs)
         out.update(kwargs)
         return out
