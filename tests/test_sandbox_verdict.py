@@ -252,11 +252,12 @@ def test_statuses_of_failures():
         {"assert": "assert h(2) == 4"},  # not a plain value
         {"assert": "while True:\n    pass"},  # cannot be split: fails closed without running
         {"assert": "assert f(2) is f(2)"},  # `is` between values of the program
+        {"assert": "g = lambda t: t\ntry:\n    assert f(g) == 5\nexcept Exception:\n    pass"},  # a lambda to send
     ]
     code = "def f(x):\n    return 5\ndef g(x):\n    raise KeyError(x)\ndef h(x):\n    return object()\n"
     result = run_tests(code, tests, FAST)
     assert [c.status for c in result.cases] == [
-        "wrong_answer", "runtime_error", "bad_value", "unsupported_test", "unsupported_test"
+        "wrong_answer", "runtime_error", "bad_value", "unsupported_test", "unsupported_test", "unsupported_test"
     ], result
 
 
@@ -280,15 +281,20 @@ def test_replies_are_bounded():
         assert [c.status for c in result.cases] == [status], (code, result)
     colliding = "def f(x):\n    return [(2 ** 61 - 1) * k for k in range(1, 20000)]\n"
     result = run_tests(colliding, [{"assert": "assert len(set(f(2))) > 0"}], FAST)
+    assert [c.status for c in result.cases] == ["bad_reply"], result  # refused as it is decoded
+    spread = "def f(x):\n    return list(range(1, 20000))\n"  # collides only once the checker multiplies
+    result = run_tests(spread, [{"assert": "assert len(set(k * (2 ** 61 - 1) for k in f(2))) > 0"}], FAST)
     assert [c.status for c in result.cases] == ["checker_limit"], result
     assert time.monotonic() - start < 15
 
 
 def test_checker_guards_stop_runaway_checker_work():
     # the program's values may make checker-side code huge; it stops at a guard instead
-    code = "def f(x):\n    return 10 ** 15\n"
+    code = "def f(x):\n    return 10 ** 15\ndef g(x):\n    return ['x' * 1000] * 500 if x == 2 else 'y' * 10000\n"
     for test in ("assert len([0] * f(1)) > 0", "assert sum(range(f(1))) > 0", "assert 2 ** f(1) > 0",
-                 "assert all(True for _ in range(f(1)))", "assert len(set(range(f(1)))) > 0"):
+                 "assert all(True for _ in range(f(1)))", "assert len(set(range(f(1)))) > 0",
+                 "assert pow(3, f(1) ** 400, f(1) ** 400 + 1) > 0", "assert (1 << f(1)) > 0",
+                 "assert len(str(g(1)).join(g(2))) > 0", "assert sum(g(3), []) == []"):
         start = time.monotonic()
         result = run_tests(code, [{"assert": test}], FAST)
         assert [c.status for c in result.cases] == ["checker_limit"], (test, result)
@@ -336,3 +342,15 @@ def test_program_exceptions_are_not_the_checkers():
     assert not isinstance(e, Exception)  # a test's `except Exception` does not catch it
     e = assert_check.program_exception("PermissionError", (1, "Operation not permitted"))
     assert isinstance(e, OSError) and e.errno == 1 and e.from_program
+
+
+def test_lambdas_and_loop_variables_inside_program_side_code():
+    code = "def apply(fn, xs):\n    return [fn(x) for x in xs]\n"
+    tests = [
+        {"assert": "k = 3\nassert apply(lambda t: t + k, [1, 2]) == [4, 5]"},
+        {"assert": "assert all(apply(lambda t: t * n, [1]) == [n] for n in range(3))"},
+        {"assert": "assert apply(lambda t: [t for _ in range(2)], [7]) == [[7, 7]]"},
+    ]
+    assert plan(tests[0]["assert"]).program_code == (("eval", "apply(lambda t: t + _jaxrl_a0, [1, 2])"),)
+    result = run_tests(code, tests, FAST)
+    assert result.pass_fraction == 1.0, result

@@ -74,6 +74,10 @@ class ProgramGone(BaseException):
         self.status = status
 
 
+class Unsendable(BaseException):
+    """A checker-side value the test passes to the program's code is not plain (e.g. a lambda)."""
+
+
 class _ProgramBaseException(BaseException):
     """Stands for a SystemExit, KeyboardInterrupt, ... raised by the program's code."""
 
@@ -176,12 +180,44 @@ def _tagged(pairs, ranges):
     raise ValueError(f"unknown tag {tag!r}")
 
 
+def _collision_guard(value):
+    """Refuse a value holding more than 16 distinct hashable parts with one hash: whatever the checker
+    later builds from them (a set, dict keys) could take quadratic time."""
+    buckets, stack = {}, [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list or t is set or t is frozenset:
+            stack.extend(v)
+        elif t is tuple:
+            stack.extend(v)
+        elif t is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+        elif t in _ITER_TYPES:
+            stack.extend(v.__reduce__()[1][0])
+        if t is list or t is set or t is dict or t in _ITER_TYPES:
+            continue
+        try:
+            h = hash(v)
+        except TypeError:
+            continue
+        bucket = buckets.setdefault(h, [])
+        if not any(b == v for b in bucket):
+            bucket.append(v)
+            if len(bucket) > 16:
+                raise ValueError("too many distinct values with one hash")
+
+
 def decode(data, max_bytes=1 << 20, ranges=False):
     """The plain value in ``data`` (JSON from ``encode``); ValueError for anything else."""
     if len(data) > max_bytes:
         raise ValueError(f"over {max_bytes} bytes")
     try:
-        return _json.loads(data, object_pairs_hook=lambda pairs: _tagged(pairs, ranges))
+        value = _json.loads(data, object_pairs_hook=lambda pairs: _tagged(pairs, ranges))
+        if not ranges:  # the caller's side: values from the program
+            _collision_guard(value)
+        return value
     except (RecursionError, TypeError, OverflowError, MemoryError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
 '''
@@ -291,7 +327,22 @@ class _Guarded:
         raise AssertionError(op)
 
     def pow(self, a, b, m=None):
-        return self.binop("Pow", a, b) if m is None else pow(a, b, m)
+        if m is None:
+            return self.binop("Pow", a, b)
+        if isinstance(b, int) and isinstance(m, int) and b.bit_length() * m.bit_length() ** 1.6 > 1e9:
+            raise CheckerLimit("a modular power over the size limit")
+        return pow(a, b, m)
+
+    def sum(self, iterable, start=0):
+        if not isinstance(start, (int, float, complex)):  # sum(lists, []) is quadratic
+            raise CheckerLimit("sum() of sequences is not supported in a test")
+        return sum(self.iterate(iterable), start)
+
+    def join(self, sep, iterable):
+        items = list(self.iterate(iterable))
+        if isinstance(sep, (str, bytes)) and len(sep) * len(items) > MAX_ITEMS:
+            raise CheckerLimit("a join over the size limit")
+        return sep.join(items)
 
 
 def _builtins(g: _Guarded) -> dict:
@@ -301,7 +352,7 @@ def _builtins(g: _Guarded) -> dict:
     )
     table = {name: getattr(builtins, name) for name in plain}
     table.update(
-        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, math=_MathModule(),
+        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, sum=g.sum, math=_MathModule(),
         **_EXCEPTIONS,
     )
     return table
@@ -397,6 +448,13 @@ class _Splitter:
                     for x in (left, right)
                 ):
                     raise UnsupportedTest(f"line {node.lineno}: `is` compares only with None, True, False or a type")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+                and len(node.args) == 1 and not node.keywords and not isinstance(node.args[0], ast.Starred)
+                and not self.is_program(node.func, scope)):
+            return ast.copy_location(ast.Call(
+                ast.Name(f"{_PREFIX}join", ast.Load()),
+                [self.expr(node.func.value, scope), self.expr(node.args[0], scope)], [],
+            ), node)
         if isinstance(node, ast.FormattedValue) and node.format_spec is not None:
             raise UnsupportedTest(f"line {node.lineno}: format specs are not supported in a test")
         if isinstance(node, ast.BinOp) and type(node.op) in _GUARDED_OPS:
@@ -580,7 +638,9 @@ class _Placeholders(ast.NodeTransformer):
         return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
     def checker_only(self, node: ast.AST) -> bool:
-        names = self.names(node) - self.local
+        names = self.names(node)
+        if names & self.local:  # uses a name bound inside the program-side code (a lambda's argument)
+            return False
         uses_checker = any(
             n in self.scope or (n in self.s.checker_names and n not in CHECKER_BUILTINS) or n == "math"
             for n in names
@@ -660,6 +720,7 @@ def run_checker(p: Plan, ask: Callable[[int, tuple], object], deadline: float) -
         f"{_PREFIX}ask": ask,
         f"{_PREFIX}iter": g.iterate,
         f"{_PREFIX}binop": g.binop,
+        f"{_PREFIX}join": g.join,
     }
     try:
         exec(p.checker, env)  # noqa: S102 - checked AST, restricted builtins, plain values
@@ -669,6 +730,8 @@ def run_checker(p: Plan, ask: Callable[[int, tuple], object], deadline: float) -
         return "checker_limit"
     except NotPlain:
         return "bad_value"
+    except Unsendable:
+        return "unsupported_test"
     except _ProgramBaseException:
         return "runtime_error"
     except AssertionError as e:

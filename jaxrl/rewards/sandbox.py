@@ -633,7 +633,7 @@ class _Conversation:
         try:
             sent = ",".join(assert_check.encode(v, max_items=assert_check.MAX_ITEMS) for v in values)
         except TypeError as e:
-            raise assert_check.UnsupportedTest(f"a value the test sends to the program: {e}") from None
+            raise assert_check.Unsendable(f"a value the test sends to the program: {e}") from None
         self.send(f"[{index},[{sent}]]".encode("utf-8", "surrogatepass"))
         reply = self.recv()
         kind = reply[0]
@@ -661,8 +661,6 @@ def _converse(
             status = assert_check.run_checker(test, talk.ask, deadline)
         except assert_check.ProgramGone as gone:
             status = gone.status
-        except assert_check.UnsupportedTest:
-            status = "unsupported_test"
         return (status, *talk.texts())
     finally:
         talk.close()
