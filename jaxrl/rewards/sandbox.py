@@ -8,19 +8,40 @@ fraction that pass. Each test is either
 * ``{"input": str, "output": str}``: the program reads stdin and its stdout
   must equal ``output`` after normalisation (each line right-stripped, trailing
   blank lines dropped); or
-* ``{"assert": "assert f(2) == 4"}``: a small harness runs the program as
-  ``__main__`` and then the statement in its namespace; the case passes iff the
-  statement completes. Exiting with status 0 is not enough: the harness then
-  writes a random per-run nonce to a pipe only it was told about, and the
-  parent requires it (see ``_ASSERT_HARNESS``: ``sys.exit`` and ``SystemExit``
-  fail the case, ``os._exit(0)`` or ``exec`` of another program before the
-  statement ran is ``"early_exit"``). The statement is never written to a file
-  the program can read. The program of an assert test cannot create processes
-  (threads are fine): a seccomp filter makes ``fork``, ``subprocess`` and
-  ``multiprocessing`` fail with EPERM. Otherwise it could fork one child per
-  guessed answer, each running into the statement, and exit 0 once one passed.
-  (IO tests keep ``fork``: the parent judges the stdout of the whole run, so
-  there is nothing for a child to pass on its own.)
+* ``{"assert": "assert f(2) == 4"}`` (one or more lines): the caller decides, not the program.
+  ``assert_check`` splits the test with ``ast`` into program-side expressions (``f(2)``: names the
+  test does not bind, and calls, attributes and subscripts on them) and checker-side code
+  (``== 4``, literals, a few pure builtins and ``math``, loop and comprehension variables). The
+  program's process runs the program as ``__main__`` (``_ASSERT_HARNESS``) and then evaluates
+  program-side expressions on request, sending back each value as JSON of exact built-in types; the
+  caller decodes it as untrusted data and runs the checker-side code over it. The case passes iff
+  every assert held. The program's process never holds the checker side, the expected values or
+  anything that marks a pass. A test shape that cannot be split safely fails closed
+  (``"unsupported_test"``, without running the program); ``assert_check`` lists the shapes. The
+  program of an assert test cannot create processes (threads are fine): a seccomp filter makes
+  ``fork``, ``subprocess`` and ``multiprocessing`` fail with EPERM. (IO tests keep ``fork``: the
+  parent judges the stdout of the whole run.)
+
+Threat model of assert tests. The program controls its whole process: the harness, its memory and
+fds, what it sends and when it exits. It can therefore choose the values its program-side
+expressions evaluate to (as an honest program does) and nothing more:
+
+* it cannot read the expected values or the checker side, which stay in the caller (frames, ``gc``,
+  ``/proc/self/mem`` and the inherited fds hold only the program-side code and the values sent to it);
+* comparison runs on values the caller decoded itself (``assert_check.decode``: exact ``int``,
+  ``float``, ``str``, ``list``, ``dict``, ... and no subclass), so an object whose ``__eq__`` is
+  always true, a patched encoder or a forged reply is a ``"bad_value"``/``"bad_reply"`` or just a
+  wrong value;
+* exiting early (``os._exit(0)``, ``sys.exit``, ``atexit``, a signal) before every request was
+  answered fails the case (``"early_exit"`` or ``"runtime_error"``), as do a crash, a timeout, junk
+  on the reply pipe and replies over ``assert_check.MAX_REPLY_BYTES``;
+* the values it sends cannot make the checker's work blow up: decoding is bounded (size, depth,
+  colliding hashes), and checker-side ``*``, ``**``, ``<<``, ``range``, ``join``, ``sum``, ``set``
+  and loops stop at limits or at the case's deadline (``"checker_limit"``);
+* what it can still learn is the order of requests: a later request shows that the checker went on.
+  It cannot take back an answer already sent, and each case is a fresh process, so this does not
+  tell it an answer it could still use. A test that is weak in itself (``any(f(x) == 7 for x in
+  range(10))`` can be met by answering 0, 1, 2, ... in turn) stays weak.
 
 Each test case is one fresh process:
 
@@ -118,19 +139,16 @@ Known gaps (honest list):
 * The only seccomp filter is the one against new processes in assert tests;
   otherwise the kernel's syscall surface is fully exposed. That filter exists
   for x86_64 and aarch64 only, and needs ``PR_SET_NO_NEW_PRIVS`` and seccomp
-  filters (Linux >= 3.5). Elsewhere (or where ``prctl`` fails) a forked child
-  still cannot write the nonce (the harness checks its pid) and exits as
-  silently when its statement held as when it failed, but a program that
-  instruments the interpreter (audit hooks, ``gc`` callbacks, ``ctypes``) might
-  still tell the two apart in a child and so learn the answer by trial.
+  filters (Linux >= 3.5). Where it is missing a forked child of an assert test
+  could also answer requests; it learns no more than its parent (see the threat
+  model above).
 * The parent-death signal fires when the calling *thread* exits, so do not
   call this from a thread that may end before the run does.
-* The assert harness shares its process with the program, so a program that
-  deliberately inspects the harness (frames, ``gc``, ``ctypes``,
-  ``/proc/self/mem``) can find the nonce and forge a pass; the nonce stops
-  every way of *ending* the process early, not such introspection. Nor can any
-  harness stop a program from satisfying an assert dishonestly, e.g. by
-  returning an object whose ``__eq__`` is always true.
+* Checker-side code runs in the caller's process (in training a ``RewardPool`` worker, which the
+  pool kills at its deadline). It is the dataset's code, held to a checked subset of Python with
+  restricted builtins; the program's values bound the size of what it handles, but a test that
+  itself loops long over them (``s.add(f(i))`` for 10^5 requests into one set) costs the caller that
+  time, up to the case's wall limit plus the work between two requests.
 * Orphaned sandbox dirs are found by the creator's pid: a process in another
   PID namespace sharing the same temp dir could have a live dir deleted.
 """
@@ -212,11 +230,17 @@ class SandboxLimits:
 class CaseResult:
     """One test case.
 
-    ``status`` is one of ``"ok"``, ``"wrong_answer"``, ``"runtime_error"``,
-    ``"early_exit"`` (an assert test whose program exited with status 0 before
-    the statement completed), ``"timeout"`` (wall or CPU limit), ``"memory"``,
-    ``"output_limit"``, ``"file_limit"``, ``"invalid_test"``, ``"not_run"`` (no
-    time left in ``run_tests``' budget) or ``"sandbox_error"``.
+    ``status`` is one of ``"ok"``, ``"wrong_answer"`` (wrong output, or an assert
+    that did not hold), ``"runtime_error"`` (the program, or its code that a test
+    called, raised), ``"early_exit"`` (an assert test whose program exited with
+    status 0 before answering every request), ``"timeout"`` (wall or CPU limit),
+    ``"memory"``, ``"output_limit"``, ``"file_limit"``, ``"invalid_test"``,
+    ``"not_run"`` (no time left in ``run_tests``' budget), ``"sandbox_error"``, or,
+    for assert tests only, ``"unsupported_test"`` (the test cannot be split safely,
+    see ``assert_check``; the program is not run), ``"bad_value"`` (a program-side
+    expression gave something that is not a plain value), ``"bad_reply"`` (junk or
+    too much on the reply pipe) or ``"checker_limit"`` (checker-side work over a
+    size or step limit).
     """
 
     passed: bool
