@@ -354,3 +354,13 @@ def test_lambdas_and_loop_variables_inside_program_side_code():
     assert plan(tests[0]["assert"]).program_code == (("eval", "apply(lambda t: t + _jaxrl_a0, [1, 2])"),)
     result = run_tests(code, tests, FAST)
     assert result.pass_fraction == 1.0, result
+
+
+def test_stop_iteration_from_the_program_does_not_end_checker_iteration():
+    # all(map(...)) is True if map() ends early: a StopIteration raised by f must not end it
+    code = "def f(x):\n    raise StopIteration\n"
+    tests = [{"assert": f"assert all(map(lambda x: f(x) == {SECRET}, range(3)))"},
+             {"assert": f"assert all([f(x) == {SECRET} for x in range(3)])"},
+             {"assert": "try:\n    f(1)\nexcept Exception:\n    pass"}]
+    result = run_tests(code, tests, FAST)
+    assert [c.status for c in result.cases] == ["runtime_error"] * 3, result

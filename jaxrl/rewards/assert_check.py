@@ -692,8 +692,10 @@ _RAISED: dict[str, type] = {}
 def program_exception(name: str, args: tuple) -> Exception:
     """The exception the checker raises for one the program's code raised: a subclass of the built-in
     ``name`` (``Exception`` if ``name`` is none), marked as the program's."""
-    if isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), BaseException) \
-            and name not in _EXCEPTIONS:  # SystemExit, KeyboardInterrupt, GeneratorExit, BaseException
+    if name in ("StopIteration", "StopAsyncIteration") or (
+        isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), BaseException)
+        and name not in _EXCEPTIONS  # SystemExit, KeyboardInterrupt, GeneratorExit, BaseException
+    ):  # uncatchable by the test: a StopIteration inside map() would end it early, all(map(...)) is True
         return _ProgramBaseException(name)
     base = _EXCEPTIONS.get(name, Exception)
     cls = _RAISED.get(base.__name__)
