@@ -364,3 +364,29 @@ def test_stop_iteration_from_the_program_does_not_end_checker_iteration():
              {"assert": "try:\n    f(1)\nexcept Exception:\n    pass"}]
     result = run_tests(code, tests, FAST)
     assert [c.status for c in result.cases] == ["runtime_error"] * 3, result
+
+
+def test_test_inputs_drawn_at_random_are_the_checkers():
+    # HumanEval/53's shape: the inputs come from `random` in the test. They must be drawn by the checker
+    # and sent, not drawn in the program's process, which could report any x and y it likes.
+    test = textwrap.dedent("""
+        import random
+        from string import ascii_lowercase
+        def check(candidate):
+            assert candidate(0, 1) == 1
+            for i in range(20):
+                x, y = random.randint(0, 1000), random.randint(0, 1000)
+                assert candidate(x, y) == x + y
+            rng = random.Random(7)
+            s = ''.join(rng.choice(ascii_lowercase) for _ in range(5))
+            assert candidate(s, '!') == s + '!'
+        check(add)
+        """)
+    assert [mode for mode, _ in plan(test).program_code] == ["eval"] * 3
+    honest = run_tests("def add(x, y):\n    return x + y\n", [{"assert": test}], FAST)
+    assert honest.pass_fraction == 1.0, honest
+    # claims x = y = 0 and add(x, y) = 0 whatever it is asked: only its own answers are in its hands
+    liar = ("import random\nrandom.randint = lambda a, b: 0\n"
+            "random.Random = lambda seed: type('R', (), {'choice': lambda self, seq: ''})()\n"
+            "def add(x, y):\n    return y if not x else 0\n")
+    assert run_tests(liar, [{"assert": test}], FAST).pass_fraction == 0.0

@@ -7,9 +7,11 @@ split in two:
   a global, or a builtin outside ``CHECKER_BUILTINS`` such as ``print`` or ``hash``) and the calls,
   attributes and subscripts on it (``f(2)``, ``Solution().twoSum(nums, 9)``, ``RESULT[0]``). Only their
   source goes to the program's process, which evaluates them on request and returns the value;
-* **checker-side** code: everything else (comparisons, literals, ``CHECKER_BUILTINS``, ``math``,
-  comprehension and loop variables, names the test assigns). The checker runs it in the caller over
-  plain values and decides. The program never sees it: for ``assert f(2) == 4`` it sees ``f(2)`` only.
+* **checker-side** code: everything else (comparisons, literals, ``CHECKER_BUILTINS``, the parts of
+  ``math``, ``random``, ``string`` and ``copy`` in ``_MODULES``, comprehension and loop variables,
+  names the test assigns). The checker runs it in the caller over plain values and decides. The
+  program never sees it: for ``assert f(2) == 4`` it sees ``f(2)`` only. Test inputs the test draws
+  with ``random`` are drawn by the checker and sent, so the program cannot misreport them.
 
 Arguments of a program-side call that use checker-side names (``f(x)`` in
 ``all(f(x) == x * x for x in range(5))``) are evaluated by the checker and sent as values. A statement
@@ -32,6 +34,14 @@ Checker-side code runs with a restricted builtins dict and under guards: ``*``, 
 by the program, or a checker value that cannot be sent (a lambda passed to a program function).
 HumanEval-style ``def check(candidate): ...`` followed by ``check(name)`` is taken apart: its body runs
 with ``candidate`` meaning the program's ``name``.
+
+Differences from running the statement in the program's namespace, all failing closed: a program
+function passed to a checker function (``map(f, xs)``, ``sorted(xs, key=f)``) is not a plain value
+(``"bad_value"``; ``map(lambda x: f(x), xs)`` works); names the test assigns on the checker side are
+not visible to the program's code; a ``StopIteration``, ``SystemExit`` or ``KeyboardInterrupt`` raised
+by the program's code cannot be caught by the test; values the test reads back from a name that one
+of its program-side statements bound (``x = helper()``, then ``f(x) == x + 1``) are the program's to
+report, as they were before.
 """
 
 from __future__ import annotations
@@ -41,7 +51,10 @@ import builtins
 import copy
 import dataclasses
 import math
+import random
+import string
 import time
+import types
 from collections.abc import Callable
 
 __all__ = ["CHECKER_BUILTINS", "CODEC_SOURCE", "Plan", "UnsupportedTest", "plan", "run_checker"]
@@ -230,21 +243,40 @@ _hash_guard = _codec["_hash_guard"]
 
 # -- what the checker may use ---------------------------------------------------------
 
-_MATH = {
-    name: getattr(math, name)
-    for name in (
-        "isclose", "fabs", "sqrt", "floor", "ceil", "trunc", "isnan", "isinf", "isfinite", "pi", "e", "tau",
-        "inf", "nan", "log", "log2", "log10", "exp", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
-        "hypot", "gcd", "copysign", "radians", "degrees", "fsum", "dist",
-    )
+# The modules a test may use on the checker side, and what of each (nothing that grows its result
+# beyond its inputs: no math.factorial, random.choices, random.getrandbits).
+_MODULES = {
+    "math": frozenset(
+        "isclose fabs sqrt floor ceil trunc isnan isinf isfinite pi e tau inf nan log log2 log10 exp sin cos "
+        "tan asin acos atan atan2 hypot gcd copysign radians degrees fsum dist".split()
+    ),
+    "random": frozenset("Random seed random randint randrange uniform choice shuffle sample".split()),
+    "string": frozenset("ascii_letters ascii_lowercase ascii_uppercase digits hexdigits octdigits punctuation "
+                        "whitespace printable".split()),
+    "copy": frozenset("copy deepcopy".split()),
 }
+_MODULE_OBJECTS = {"math": math, "random": random, "string": string, "copy": copy}
+
+
+def _module_view(name: str) -> types.SimpleNamespace:
+    """The checker's view of a module: the names in ``_MODULES[name]`` only. ``random``'s functions are
+    those of a fresh ``random.Random``, so that a test's ``random.seed`` leaves the caller's alone."""
+    source = random.Random() if name == "random" else _MODULE_OBJECTS[name]
+    view = {a: getattr(source, a) for a in _MODULES[name] if a != "Random"}
+    if name == "random":
+        view["Random"] = random.Random
+    return types.SimpleNamespace(**view)
+
+
 # Methods of plain values a checker-side expression may call; none grows its result beyond its inputs.
 _METHODS = frozenset(
     "lower upper strip lstrip rstrip split rsplit splitlines startswith endswith isdigit isalpha isalnum "
     "isspace islower isupper isdecimal isnumeric count index find rfind keys values items get title "
     "capitalize casefold swapcase issubset issuperset union intersection difference symmetric_difference "
     "isdisjoint copy append extend sort reverse add update pop remove insert discard as_integer_ratio "
-    "is_integer bit_length conjugate real imag args errno strerror join".split()
+    "is_integer bit_length conjugate real imag args errno strerror join "
+    # random.Random's, for rng = random.Random(42); rng.randint(1, 9)
+    "seed random randint randrange uniform choice shuffle sample".split()
 )
 _EXCEPTIONS = {
     name: obj for name, obj in vars(builtins).items()
@@ -352,17 +384,10 @@ def _builtins(g: _Guarded) -> dict:
     )
     table = {name: getattr(builtins, name) for name in plain}
     table.update(
-        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, sum=g.sum, math=_MathModule(),
-        **_EXCEPTIONS,
+        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, sum=g.sum,
+        math=_module_view("math"), **_EXCEPTIONS,
     )
     return table
-
-
-class _MathModule:
-    """``math`` as the checker sees it: the functions in ``_MATH`` only."""
-
-    def __init__(self):
-        self.__dict__.update(_MATH)
 
 
 CHECKER_BUILTINS = frozenset(
@@ -414,6 +439,8 @@ class _Splitter:
         self.checker_names: set[str] = set(CHECKER_BUILTINS)  # names that mean a checker value
         self.program_names: set[str] = set()  # names a program-side statement of the test bound
         self.checks: dict[str, ast.FunctionDef] = {}  # HumanEval's check(candidate), by name
+        self.modules: dict[str, str] = {"math": "math"}  # checker name -> module in _MODULES
+        self.imports: list[ast.stmt] = []  # (checker-side imports become assignments of module views)
 
     # expressions ------------------------------------------------------------------
 
@@ -434,9 +461,9 @@ class _Splitter:
                 raise UnsupportedTest(f"line {node.lineno}: the name {node.id} is reserved")
             return node
         if isinstance(node, ast.Attribute):
+            module = self.modules.get(node.value.id) if isinstance(node.value, ast.Name) else None
             if node.attr.startswith("_") or (
-                node.attr not in _METHODS and not (isinstance(node.value, ast.Name) and node.value.id == "math"
-                                                   and node.attr in _MATH)
+                node.attr not in (_MODULES[module] if module and node.value.id not in scope else _METHODS)
             ):
                 raise UnsupportedTest(f"line {node.lineno}: the attribute .{node.attr} is not supported in a test")
             return ast.copy_location(ast.Attribute(self.expr(node.value, scope), node.attr, node.ctx), node)
@@ -564,8 +591,9 @@ class _Splitter:
             value = ast.BinOp(ast.Name(names[0], ast.Load()), node.op, node.value)
             return [ast.copy_location(ast.Assign([node.target], self.expr(value, empty)), node)]
         if isinstance(node, ast.Import | ast.ImportFrom):
-            if isinstance(node, ast.Import) and [(a.name, a.asname) for a in node.names] == [("math", None)]:
-                return []  # the checker has its own math
+            checker = self.checker_import(node)
+            if checker is not None:
+                return checker
             self.bind_program([(a.asname or a.name).split(".")[0] for a in node.names], line)
             return [ast.copy_location(ast.Expr(self.ask(node, empty, "exec")), node)]
         if isinstance(node, ast.If):
@@ -595,6 +623,29 @@ class _Splitter:
         if isinstance(node, ast.FunctionDef) and self.check_def(node):
             return []
         raise UnsupportedTest(f"line {line}: {type(node).__name__} is not supported in a test")
+
+    def checker_import(self, node: ast.Import | ast.ImportFrom) -> list[ast.stmt] | None:
+        """``import math``, ``from random import randint``, ... of ``_MODULES`` as checker-side
+        assignments (``math = _jaxrl_module("math")``); None if any name is not in ``_MODULES``."""
+        out = []
+        if isinstance(node, ast.Import):
+            if not all(a.name in _MODULES for a in node.names):
+                return None
+            for a in node.names:
+                name = a.asname or a.name
+                self.bind_checker([name], node.lineno)
+                self.modules[name] = a.name
+                view = ast.Call(ast.Name(f"{_PREFIX}module", ast.Load()), [ast.Constant(a.name)], [])
+                out.append(ast.Assign([ast.Name(name, ast.Store())], view))
+        else:
+            if node.level or node.module not in _MODULES or not all(a.name in _MODULES[node.module]
+                                                                     for a in node.names):
+                return None
+            for a in node.names:
+                self.bind_checker([a.asname or a.name], node.lineno)
+                view = ast.Call(ast.Name(f"{_PREFIX}module", ast.Load()), [ast.Constant(node.module)], [])
+                out.append(ast.Assign([ast.Name(a.asname or a.name, ast.Store())], ast.Attribute(view, a.name, ast.Load())))
+        return [ast.copy_location(stmt, node) for stmt in out]
 
     # HumanEval: def check(candidate): ...; check(entry_point) ---------------------------
 
@@ -642,7 +693,7 @@ class _Placeholders(ast.NodeTransformer):
         if names & self.local:  # uses a name bound inside the program-side code (a lambda's argument)
             return False
         uses_checker = any(
-            n in self.scope or (n in self.s.checker_names and n not in CHECKER_BUILTINS) or n == "math"
+            n in self.scope or (n in self.s.checker_names and n not in CHECKER_BUILTINS) or n in self.s.modules
             for n in names
         )
         return uses_checker and all(n in self.scope or n in self.s.checker_names for n in names)
@@ -723,6 +774,7 @@ def run_checker(p: Plan, ask: Callable[[int, tuple], object], deadline: float) -
         f"{_PREFIX}iter": g.iterate,
         f"{_PREFIX}binop": g.binop,
         f"{_PREFIX}join": g.join,
+        f"{_PREFIX}module": _module_view,
     }
     try:
         exec(p.checker, env)  # noqa: S102 - checked AST, restricted builtins, plain values
