@@ -315,11 +315,16 @@ def test_plan_splits_and_refuses():
 
 
 def test_codec_round_trips_plain_values_and_refuses_the_rest():
-    values = [None, True, 0, -5, 10**4000, 2.5, -0.0, float("inf"), 1 + 2j, "é\n", b"\x00", [1, [2]], (1, (2,)),
-              {1, 2}, frozenset({3}), {"a": [1], (1, 2): None}]
+    values = [None, True, 0, -5, 10**4000, 2.5, -0.0, 1e300, float("inf"), 1 + 2j, "é\n\x00\x7f\"\\\ud800🙂",
+              b"\x00", [1, [2]], (1, (2,)), {1, 2}, frozenset({3}), {"a": [1], (1, 2): None}, [[]]]
     for v in values:
         back = decode(encode(v))
         assert back == v and type(back) is type(v), v
+        assert repr(back) == repr(v)  # -0.0, exact floats
+    assert list(decode(encode(map(str, range(3))))) == ["0", "1", "2"]
+    assert list(decode(encode(range(2)))) == [0, 1]
+    nan = decode(encode(float("nan")))
+    assert nan != nan
     class Int(int):
         pass
     for v in (Int(1), [Int(1)], {"k": object()}, print, type, [[]] * 0 + [[[]]] and _nested(200)):

@@ -50,6 +50,9 @@ import ast
 import builtins
 import copy
 import dataclasses
+import functools
+import json
+import marshal
 import math
 import random
 import string
@@ -97,33 +100,24 @@ class _ProgramBaseException(BaseException):
     from_program = True
 
 
-# The codec, as source: the caller execs it for ``encode``/``decode``, the program's harness runs the
-# same text. The caller's copy is the one that decides; what the program does to its own is its
-# problem (it can only change the values it sends, which it controls anyway).
+# The encoder, as source: the program's harness runs this text (it imports nothing, so the program's
+# start is not slowed by ``json``'s imports), and so does this module, for its tests. The caller's
+# ``decode`` below is what decides; what the program does to its own encoder only changes the values
+# it sends, which it controls anyway.
 CODEC_SOURCE = r'''
-import json as _json
-
-
-def _hash_guard(keys):
-    """Refuse keys that share hashes: inserting n equal-hash keys takes n**2 / 2 comparisons."""
-    if len(keys) > 64:
-        counts = {}
-        for k in keys:
-            h = hash(k)
-            counts[h] = counts.get(h, 0) + 1
-            if counts[h] > 16:
-                raise ValueError("too many keys with one hash")
-
-
 _ITER_TYPES = tuple(type(x) for x in (
     iter([]), iter(()), iter(""), iter(b""), iter(range(0)), iter({}), iter(set()), {}.keys(), {}.values(),
     {}.items(), map(abs, []), filter(None, []), zip(), enumerate([]), reversed([]), (x for x in ()),
 ))
+_ESCAPES = {i: "\\u%04x" % i for i in (*range(0x20), 0x7F, *range(0xD800, 0xE000))}
+_ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\"})
 
 
 def encode(value, max_items=100000, max_int_bits=1 << 17):
-    """JSON text of a plain value; TypeError names the first thing that is not one (exact types only)."""
+    # JSON text of a plain value; TypeError names the first thing that is not one (exact types only).
     left = [max_items]
+    out = []
+    put = out.append
 
     def enc(v, depth):
         if depth > 100:
@@ -132,41 +126,68 @@ def encode(value, max_items=100000, max_int_bits=1 << 17):
         if left[0] < 0:
             raise TypeError(f"more than {max_items} items")
         t = type(v)
-        if v is None or t is bool or t is str:
-            return v
-        if t is int:
+        if t is str:
+            put('"' + v.translate(_ESCAPES) + '"')
+        elif v is None:
+            put("null")
+        elif t is bool:
+            put("true" if v else "false")
+        elif t is int:
             if v.bit_length() > max_int_bits:
                 raise TypeError(f"an int over {max_int_bits} bits")
-            return v if v.bit_length() < 10000 else {"I": format(v, "x")}
-        if t is float:
-            return {"x": v.hex()} if v != v or v in (float("inf"), float("-inf")) else v
-        if t is complex:
-            return {"c": [v.real.hex(), v.imag.hex()]}
-        if t is bytes:
-            return {"b": v.hex()}
-        if t is list:
-            return [enc(x, depth + 1) for x in v]
-        if t is tuple:
-            return {"t": [enc(x, depth + 1) for x in v]}
-        if t is set or t is frozenset:
-            return {"s" if t is set else "F": [enc(x, depth + 1) for x in v]}
-        if t is dict:
-            return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
-        if t is range:
-            return {"r": [v.start, v.stop, v.step]}
-        if t in _ITER_TYPES:
-            items = []
-            for x in v:
-                if len(items) >= max_items:
-                    raise TypeError(f"an iterator of more than {max_items} items")
-                items.append(enc(x, depth + 1))
-            return {"i": items}
-        raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value")
+            put(int.__repr__(v) if v.bit_length() < 10000 else '{"I":"%s"}' % format(v, "x"))
+        elif t is float:
+            put(float.__repr__(v) if v - v == 0 else '{"x":"%s"}' % v.hex())  # nan, inf: hex
+        elif t is complex:
+            put('{"c":["%s","%s"]}' % (v.real.hex(), v.imag.hex()))
+        elif t is bytes:
+            put('{"b":"%s"}' % v.hex())
+        elif t is list or t is tuple or t is set or t is frozenset or t is range or t in _ITER_TYPES:
+            put("[" if t is list else '{"%s":[' % ("t" if t is tuple else "s" if t is set else
+                                                   "F" if t is frozenset else "i"))
+            first = True
+            for x in v:  # each item counts against max_items: an endless iterator stops there
+                if not first:
+                    put(",")
+                first = False
+                enc(x, depth + 1)
+            put("]" if t is list else "]}")
+        elif t is dict:
+            put('{"d":[')
+            first = True
+            for k, x in v.items():
+                put("[" if first else ",[")
+                first = False
+                enc(k, depth + 1)
+                put(",")
+                enc(x, depth + 1)
+                put("]")
+            put("]}")
+        else:
+            raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value")
 
-    return _json.dumps(enc(value, 0), allow_nan=False, separators=(",", ":"))
+    enc(value, 0)
+    return "".join(out)
+'''
+_codec: dict = {}
+exec(compile(CODEC_SOURCE, "<jaxrl codec>", "exec"), _codec)  # noqa: S102 - our own source
+encode: Callable[..., str] = _codec["encode"]
+_ITER_TYPES: tuple = _codec["_ITER_TYPES"]
 
 
-def _tagged(pairs, ranges):
+def _hash_guard(keys: list) -> None:
+    """Refuse keys that share hashes: inserting n equal-hash keys takes n**2 / 2 comparisons."""
+    if len(keys) > 64:
+        counts: dict[int, int] = {}
+        for k in keys:
+            h = hash(k)
+            counts[h] = counts.get(h, 0) + 1
+            if counts[h] > 16:
+                raise ValueError("too many keys with one hash")
+
+
+def _tagged(pairs: list) -> object:
+    """A JSON object of ``encode``: one tag and its value."""
     if len(pairs) != 1:
         raise ValueError("a JSON object must be one tagged value")
     tag, v = pairs[0]
@@ -184,25 +205,22 @@ def _tagged(pairs, ranges):
         return complex(float.fromhex(v[0]), float.fromhex(v[1]))
     if tag == "b" and type(v) is str:
         return bytes.fromhex(v)
-    if tag == "I" and type(v) is str and len(v) <= (1 << 17) // 4 + 2:
+    if tag == "I" and type(v) is str and len(v) <= MAX_INT_BITS // 4 + 2:
         return int(v, 16)
     if tag == "i" and type(v) is list:
         return iter(v)
-    if tag == "r" and ranges and type(v) is list and len(v) == 3 and all(type(p) is int for p in v):
-        return range(*v)
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def _collision_guard(value):
+def _collision_guard(value: object) -> None:
     """Refuse a value holding more than 16 distinct hashable parts with one hash: whatever the checker
     later builds from them (a set, dict keys) could take quadratic time."""
-    buckets, stack = {}, [value]
+    buckets: dict[int, list] = {}
+    stack = [value]
     while stack:
         v = stack.pop()
         t = type(v)
-        if t is list or t is set or t is frozenset:
-            stack.extend(v)
-        elif t is tuple:
+        if t is list or t is set or t is frozenset or t is tuple:
             stack.extend(v)
         elif t is dict:
             stack.extend(v)
@@ -222,23 +240,27 @@ def _collision_guard(value):
                 raise ValueError("too many distinct values with one hash")
 
 
-def decode(data, max_bytes=1 << 20, ranges=False):
-    """The plain value in ``data`` (JSON from ``encode``); ValueError for anything else."""
+def decode(data: bytes | str, max_bytes: int = MAX_REPLY_BYTES) -> object:
+    """The plain value in ``data`` (JSON from ``encode``, sent by the program); ValueError for anything
+    else: over ``max_bytes``, not JSON, an unknown tag, a set of unhashables, colliding hashes, ..."""
     if len(data) > max_bytes:
         raise ValueError(f"over {max_bytes} bytes")
     try:
-        value = _json.loads(data, object_pairs_hook=lambda pairs: _tagged(pairs, ranges))
-        if not ranges:  # the caller's side: values from the program
-            _collision_guard(value)
+        value = json.loads(data, object_pairs_hook=_tagged)
+        _collision_guard(value)
         return value
     except (RecursionError, TypeError, OverflowError, MemoryError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
-'''
-_codec: dict = {}
-exec(compile(CODEC_SOURCE, "<jaxrl codec>", "exec"), _codec)  # noqa: S102 - our own source
-encode: Callable[..., str] = _codec["encode"]
-decode: Callable[..., object] = _codec["decode"]
-_hash_guard = _codec["_hash_guard"]
+
+
+def encode_request(index: int, values: tuple) -> bytes:
+    """A request to the program's harness (``marshal``: built in, so nothing to import there; the
+    caller is trusted). ``Unsendable`` if a value is not plain."""
+    try:
+        encode(values, max_items=MAX_ITEMS)  # the same exact-type check as for replies
+        return marshal.dumps((index, values))
+    except (TypeError, ValueError) as e:
+        raise Unsendable(f"a value the test sends to the program: {e}") from None
 
 
 # -- what the checker may use ---------------------------------------------------------
@@ -717,6 +739,7 @@ class _Placeholders(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
+@functools.lru_cache(maxsize=4096)  # a dataset's tests recur every epoch; a Plan is immutable
 def plan(source: str) -> Plan:
     """Split the test ``source``; UnsupportedTest (one line, naming the test line) if it cannot be."""
     try:

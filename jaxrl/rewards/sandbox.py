@@ -158,6 +158,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import marshal
 import math
 import os
 import re
@@ -305,18 +306,19 @@ def run_script(path):
 run_script(sys.argv[1])
 """
 
-# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD REQUEST_FD REPLY_FD`` in the sandbox dir: the program's
-# half of an assert test (see ``assert_check``). CASE_FD is an unlinked file holding the JSON list of the
-# test's program-side code (``[["eval", "f(2)"], ...]``, never the checker side); the harness reads and
-# closes it, runs the program as the script ``prog.py`` (``__main__``, absolute ``__file__``,
-# ``sys.argv == ["prog.py"]``), sends ``["ready"]`` on REPLY_FD, then answers requests ``[i, [values]]``
-# from REQUEST_FD with ``["ok", value]``, ``["raise", "ValueError", [args]]`` or ``["bad", why]`` (a value
-# that is not plain), until REQUEST_FD closes. Messages are a 4-byte big-endian length and JSON. The
+# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD REQUEST_FD REPLY_FD MAX_REPLY`` in the sandbox dir: the
+# program's half of an assert test (see ``assert_check``). CASE_FD is an unlinked file holding the test's
+# program-side code (``marshal`` of ``(("eval", "f(2)"), ...)``, never the checker side); the harness reads
+# and closes it, runs the program as the script ``prog.py`` (``__main__``, absolute ``__file__``,
+# ``sys.argv == ["prog.py"]``), sends ``["ready"]`` on REPLY_FD, then answers requests ``(i, (values...))``
+# (``marshal``, from the trusted caller) from REQUEST_FD with ``["ok", value]``, ``["raise", "ValueError",
+# [args]]`` or ``["bad", why]`` (a value that is not plain), in JSON written by ``assert_check.encode``,
+# until REQUEST_FD closes. Messages are a 4-byte big-endian length and the payload. The
 # program shares this process and may rewrite any of it, or answer itself: that only changes the values
 # it sends, which it controls anyway. The caller decodes them as untrusted data and decides. An exception
 # while the program runs, ``SystemExit`` included, exits with status 1 before "ready".
 _ASSERT_HARNESS = _QUIT_BUILTINS + assert_check.CODEC_SOURCE + r"""
-import os
+import marshal, os
 
 
 def _send(fd, text):
@@ -345,7 +347,7 @@ def _builtin_name(e):
 
 def serve(case_fd, request_fd, reply_fd, max_reply):
     with os.fdopen(case_fd, "rb") as f:
-        codes = _json.loads(f.read())
+        codes = marshal.loads(f.read())
     try:
         path = os.path.abspath("prog.py")
         with open(path, "rb") as f:
@@ -368,7 +370,7 @@ def serve(case_fd, request_fd, reply_fd, max_reply):
         header = _read_exact(request_fd, 4)
         if header is None:
             os._exit(0)
-        index, values = decode(_read_exact(request_fd, int.from_bytes(header, "big")), 1 << 62, True)
+        index, values = marshal.loads(_read_exact(request_fd, int.from_bytes(header, "big")))
         for k, v in enumerate(values):
             main.__dict__[f"_jaxrl_a{k}"] = v
         try:
@@ -378,14 +380,14 @@ def serve(case_fd, request_fd, reply_fd, max_reply):
                 args = encode(list(e.args))
             except BaseException:
                 args = "[]"
-            _send(reply_fd, f'["raise",{_json.dumps(_builtin_name(e))},{args}]')
+            _send(reply_fd, '["raise",%s,%s]' % (encode(_builtin_name(e)), args))
             continue
         try:
-            reply = f'["ok",{encode(result)}]'
+            reply = '["ok",%s]' % encode(result)
             if len(reply) > max_reply:
                 raise TypeError(f"the value is over {max_reply} bytes encoded")
         except BaseException as e:
-            reply = f'["bad",{_json.dumps(str(e)[:200])}]'
+            reply = '["bad",%s]' % encode(str(e)[:200])
         _send(reply_fd, reply)
 
 
@@ -654,11 +656,7 @@ class _Conversation:
 
     def ask(self, index: int, values: tuple):
         """``ask`` for ``assert_check.run_checker``: evaluate program-side code ``index`` with ``values``."""
-        try:
-            sent = ",".join(assert_check.encode(v, max_items=assert_check.MAX_ITEMS) for v in values)
-        except TypeError as e:
-            raise assert_check.Unsendable(f"a value the test sends to the program: {e}") from None
-        self.send(f"[{index},[{sent}]]".encode("utf-8", "surrogatepass"))
+        self.send(assert_check.encode_request(index, values))
         reply = self.recv()
         kind = reply[0]
         if kind == "ok" and len(reply) == 2:
@@ -715,7 +713,7 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: assert_check
         pass_fds = [report_w]
         if assert_test is not None:
             case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
-            case_file.write(json.dumps(assert_test.program_code).encode("utf-8", "surrogatepass"))
+            case_file.write(marshal.dumps(assert_test.program_code))
             case_file.flush()
             case_file.seek(0)
             request_r, request_w = os.pipe()
