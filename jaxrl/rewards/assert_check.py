@@ -109,8 +109,16 @@ _ITER_TYPES = tuple(type(x) for x in (
     iter([]), iter(()), iter(""), iter(b""), iter(range(0)), iter({}), iter(set()), {}.keys(), {}.values(),
     {}.items(), map(abs, []), filter(None, []), zip(), enumerate([]), reversed([]), (x for x in ()),
 ))
-_ESCAPES = {i: "\\u%04x" % i for i in (*range(0x20), 0x7F, *range(0xD800, 0xE000))}
-_ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\"})
+_ESCAPES = {}  # filled on first need: most programs never send an unusual string
+
+
+def _json_str(v):
+    if v.isascii() and v.isprintable():
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if not _ESCAPES:
+        _ESCAPES.update({i: "\\u%04x" % i for i in (*range(0x20), 0x7F, *range(0xD800, 0xE000))})
+        _ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\"})
+    return '"' + v.translate(_ESCAPES) + '"'
 
 
 def encode(value, max_items=100000, max_int_bits=1 << 17):
@@ -127,7 +135,7 @@ def encode(value, max_items=100000, max_int_bits=1 << 17):
             raise TypeError(f"more than {max_items} items")
         t = type(v)
         if t is str:
-            put('"' + v.translate(_ESCAPES) + '"')
+            put(_json_str(v))
         elif v is None:
             put("null")
         elif t is bool:
