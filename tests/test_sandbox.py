@@ -527,8 +527,8 @@ def test_assert_tests_cannot_fork_an_oracle():
     assert run_program(forking, "", FAST)[:2] == ("ok", "forked\n")
 
 
-def test_forked_child_cannot_write_the_nonce_without_seccomp(monkeypatch):
-    # Where the seccomp filter is unavailable, the harness still refuses the nonce to a forked child.
+def test_forked_children_cannot_pass_without_seccomp(monkeypatch):
+    # Where the seccomp filter is unavailable, forked children still cannot pass: the caller decides.
     launcher_argv = sandbox._launcher_argv
     monkeypatch.setattr(sandbox, "_launcher_argv", lambda *a, no_fork=False: launcher_argv(*a))
     forks = {"assert": "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)"}

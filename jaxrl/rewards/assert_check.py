@@ -18,20 +18,25 @@ Arguments of a program-side call that use checker-side names (``f(x)`` in
 whose value is program-side (``s = Solution()``, ``s.push(3)``, ``import os``) runs in the program's
 process, and the names it binds are program-side from then on.
 
-Values cross the process boundary as JSON built by ``encode`` (the program's process runs a copy of
-it, see ``CODEC_SOURCE``) and are read back by ``decode``, which trusts nothing: at most
-``MAX_REPLY_BYTES``, exact built-in types only (``None``, ``bool``, ``int``, ``float``, ``complex``,
-``str``, ``bytes``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``; iterators such as ``map``
-become a list iterator), no subclass and no object of the program, so comparing them calls no method
-the program wrote. Sets and dicts whose keys share a hash (a quadratic-time insert) are refused.
+Values come back as JSON written by ``encode`` (the program's harness runs a copy of it, see
+``CODEC_SOURCE``) and are read by ``decode``, which trusts nothing: at most ``MAX_REPLY_BYTES``, exact
+built-in types only (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``list``,
+``tuple``, ``dict``, ``set``, ``frozenset``; ``range`` and iterators such as ``map`` become a list
+iterator), no subclass and no object of the program, so comparing them calls no method the program
+wrote; more than 16 distinct parts with one hash (which would make a set of them quadratic) are
+refused. Requests (the values the checker sends) go the other way as ``marshal``, from the trusted
+side, after the same exact-type check.
 
-Checker-side code runs with a restricted builtins dict and under guards: ``*``, ``**``, ``<<`` and
-``%`` refuse results over ``MAX_ITEMS`` items or ``MAX_INT_BITS`` bits, ``range`` and loops stop after
-``MAX_STEPS`` steps or at the deadline. A test shape the split cannot take safely raises
-``UnsupportedTest`` (the case then fails closed with status ``"unsupported_test"``): ``while``,
-``def``, ``class``, ``with``, ``:=``, dunder attributes, a checker-side attribute outside
-``_METHODS``, ``is`` except against ``None``/``True``/``False``, a name bound both by the checker and
-by the program, or a checker value that cannot be sent (a lambda passed to a program function).
+Checker-side code runs with a restricted builtins dict and under guards: ``*``, ``**``, ``<<``, ``%``,
+``pow``, ``join`` and ``sum`` refuse results over ``MAX_ITEMS`` items or ``MAX_INT_BITS`` bits,
+``range`` over ``MAX_ITEMS``, ``set``/``dict`` colliding keys, and loops stop after ``MAX_STEPS`` steps
+or at the deadline. A test shape the split cannot take safely raises ``UnsupportedTest`` (the case
+then fails closed with status ``"unsupported_test"``): ``while``, ``def`` (but see below), ``class``,
+``with``, ``:=``, a bare ``except:`` or one naming a non-built-in exception, dunder attributes, a
+checker-side attribute outside ``_METHODS``/``_MODULES``, ``is`` except against ``None``/``True``/
+``False`` or a type, format specs in f-strings, a name bound both by the checker and by the program,
+assignments to anything but names, or (when the case runs) a checker value that cannot be sent (a
+lambda the test assigned, passed to a program function).
 HumanEval-style ``def check(candidate): ...`` followed by ``check(name)`` is taken apart: its body runs
 with ``candidate`` meaning the program's ``name``.
 
