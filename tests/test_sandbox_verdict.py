@@ -294,7 +294,8 @@ def test_checker_guards_stop_runaway_checker_work():
     for test in ("assert len([0] * f(1)) > 0", "assert sum(range(f(1))) > 0", "assert 2 ** f(1) > 0",
                  "assert all(True for _ in range(f(1)))", "assert len(set(range(f(1)))) > 0",
                  "assert pow(3, f(1) ** 400, f(1) ** 400 + 1) > 0", "assert (1 << f(1)) > 0",
-                 "assert len(str(g(1)).join(g(2))) > 0", "assert sum(g(3), []) == []"):
+                 "assert len(str(g(1)).join(g(2))) > 0", "assert sum(g(3), []) == []",
+                 "assert len([[0] * (f(1) // 10 ** 9) for _ in range(100)]) > 0"):
         start = time.monotonic()
         result = run_tests(code, [{"assert": test}], FAST)
         assert [c.status for c in result.cases] == ["checker_limit"], (test, result)
@@ -347,6 +348,10 @@ def test_program_exceptions_are_not_the_checkers():
     assert not isinstance(e, Exception)  # a test's `except Exception` does not catch it
     e = assert_check.program_exception("PermissionError", (1, "Operation not permitted"))
     assert isinstance(e, OSError) and e.errno == 1 and e.from_program
+    e = assert_check.program_exception("StopIteration", ())  # would end map() early inside all(...)
+    assert not isinstance(e, Exception)
+    e = assert_check.program_exception("ExceptionGroup", ("x", [1]))  # cannot be built from plain values
+    assert not isinstance(e, Exception)
 
 
 def test_lambdas_and_loop_variables_inside_program_side_code():

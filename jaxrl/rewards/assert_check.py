@@ -325,6 +325,7 @@ class _Guarded:
     def __init__(self, deadline: float):
         self.deadline = deadline
         self.steps = 0
+        self.made = 0  # items built by * and join
 
     def tick(self, n: int = 1) -> None:
         self.steps += n
@@ -375,8 +376,7 @@ class _Guarded:
         if op == "Mult":
             for seq, n in ((a, b), (b, a)):
                 if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int):
-                    if len(seq) * max(n, 0) > MAX_ITEMS:
-                        raise CheckerLimit("a sequence over the size limit")
+                    self.allocate(len(seq) * max(n, 0))
             return a * b
         if op == "Pow":
             if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
@@ -407,9 +407,16 @@ class _Guarded:
 
     def join(self, sep, iterable):
         items = list(self.iterate(iterable))
-        if isinstance(sep, (str, bytes)) and len(sep) * len(items) > MAX_ITEMS:
-            raise CheckerLimit("a join over the size limit")
+        if isinstance(sep, (str, bytes)):
+            self.allocate(len(sep) * len(items))
         return sep.join(items)
+
+    def allocate(self, n: int) -> None:
+        """Count ``n`` items about to be made by ``*`` or ``join``: at most ``MAX_ITEMS`` at once, and
+        ``10 * MAX_ITEMS`` in the whole test (``[[0] * n for _ in range(m)]``)."""
+        self.made += n
+        if n > MAX_ITEMS or self.made > 10 * MAX_ITEMS:
+            raise CheckerLimit("a sequence over the size limit")
 
 
 def _builtins(g: _Guarded) -> dict:
@@ -788,10 +795,12 @@ def program_exception(name: str, args: tuple) -> Exception:
     cls = _RAISED.get(base.__name__)
     if cls is None:
         cls = _RAISED[base.__name__] = type(base.__name__, (base,), {"from_program": True})
-    try:
-        return cls(*args)
-    except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError wants 5 arguments
-        return cls()
+    for attempt in (args, ()):
+        try:
+            return cls(*attempt)
+        except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError wants 5 arguments
+            pass
+    return _ProgramBaseException(name)  # ExceptionGroup & co.: not to be caught as something else
 
 
 def run_checker(p: Plan, ask: Callable[[int, tuple], object], deadline: float) -> str:
