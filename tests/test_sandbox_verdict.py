@@ -400,3 +400,14 @@ def test_test_inputs_drawn_at_random_are_the_checkers():
             "random.Random = lambda seed: type('R', (), {'choice': lambda self, seq: ''})()\n"
             "def add(x, y):\n    return y if not x else 0\n")
     assert run_tests(liar, [{"assert": test}], FAST).pass_fraction == 0.0
+
+
+def test_methods_whose_argument_is_the_answer_run_in_the_checker():
+    test = {"assert": f"assert f(2).startswith('{SECRET}') and f(3).issubset({{{SECRET}}})"}
+    assert plan(test["assert"]).program_code == (("eval", "f(2)"), ("eval", "f(3)"))
+    forger = ("class Yes:\n    def __getattr__(self, name):\n        return lambda *a: True\n"
+              "def f(x):\n    return Yes()\n")
+    result = run_tests(forger, [test], FAST)
+    assert [c.status for c in result.cases] == ["bad_value"], result
+    honest = f"def f(x):\n    return '{SECRET}!' if x == 2 else {{{SECRET}}}\n"
+    assert run_tests(honest, [test], FAST).pass_fraction == 1.0

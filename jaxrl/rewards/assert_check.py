@@ -46,7 +46,9 @@ function passed to a checker function (``map(f, xs)``, ``sorted(xs, key=f)``) is
 not visible to the program's code; a ``StopIteration``, ``SystemExit`` or ``KeyboardInterrupt`` raised
 by the program's code cannot be caught by the test; values the test reads back from a name that one
 of its program-side statements bound (``x = helper()``, then ``f(x) == x + 1``) are the program's to
-report, as they were before.
+report, as they were before; ``startswith``, ``endswith``, ``issubset``, ``issuperset`` and
+``isdisjoint`` (``_VERDICT_METHODS``) are the checker's, called on the program's value, so an object of
+the program with such a method is a ``"bad_value"``.
 """
 
 from __future__ import annotations
@@ -313,6 +315,10 @@ _METHODS = frozenset(
     # random.Random's, for rng = random.Random(42); rng.randint(1, 9)
     "seed random randint randrange uniform choice shuffle sample".split()
 )
+# Methods whose arguments are often the expected answer and whose result is the verdict
+# (``f(x).startswith("ab")``): called by the checker on the program's value, which must be plain, never
+# by the program's code, which would see the answer and could say True.
+_VERDICT_METHODS = frozenset("startswith endswith issubset issuperset isdisjoint".split())
 _EXCEPTIONS = {
     name: obj for name, obj in vars(builtins).items()
     if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")
@@ -487,8 +493,11 @@ class _Splitter:
     # expressions ------------------------------------------------------------------
 
     def is_program(self, node: ast.AST, scope: frozenset) -> bool:
-        """Whether ``node`` is a program-side root: a program name and calls/attributes/subscripts on it."""
+        """Whether ``node`` is a program-side root: a program name and calls/attributes/subscripts on it,
+        up to a call of a method in ``_VERDICT_METHODS``, which the checker makes on the value."""
         while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute) and node.attr in _VERDICT_METHODS:
+                return False
             node = node.func if isinstance(node, ast.Call) else node.value
         return isinstance(node, ast.Name) and not (node.id in scope or node.id in self.checker_names)
 
