@@ -229,7 +229,19 @@ SHAPES = [
     ("def f(x):\n    return {x: (x, 2.5, None, b'z', 1j, frozenset({1}))}\n",
      "assert f(1) == {1: (1, 2.5, None, b'z', 1j, frozenset({1}))}"),
     ("def f():\n    return float('nan'), 10 ** 5000\n", "a, b = f()\nassert a != a and b == 10 ** 5000"),
-    # HumanEval-style check(candidate)
+    # HumanEval-style check(candidate); the second is HumanEval/32's test (setup in the program's
+    # process, random inputs drawn by the checker)
+    ("import math\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n"
+     "def find_zero(xs):\n    lo, hi = -1.0, 1.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n"
+     "        lo, hi = lo * 2, hi * 2\n    while hi - lo > 1e-10:\n        mid = (lo + hi) / 2\n"
+     "        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n        else:\n            hi = mid\n"
+     "    return lo\n",
+     "def check(candidate):\n    import math\n    import random\n    rng = random.Random(42)\n    import copy\n"
+     "    for _ in range(30):\n        ncoeff = 2 * rng.randint(1, 4)\n        coeffs = []\n"
+     "        for _ in range(ncoeff):\n            coeff = rng.randint(-10, 10)\n            if coeff == 0:\n"
+     "                coeff = 1\n            coeffs.append(coeff)\n"
+     "        solution = candidate(copy.deepcopy(coeffs))\n        assert math.fabs(poly(coeffs, solution)) < 1e-4\n"
+     "\ncheck(find_zero)\n"),
     ("def truncate_number(x):\n    return x % 1.0\n",
      "METADATA = {'author': 'jt', 'dataset': 'test'}\n\n\ndef check(candidate):\n"
      "    assert candidate(3.5) == 0.5\n    assert abs(candidate(1.33) - 0.33) < 1e-6\n"
