@@ -488,7 +488,6 @@ class _Splitter:
         self.program_names: set[str] = set()  # names a program-side statement of the test bound
         self.checks: dict[str, ast.FunctionDef] = {}  # HumanEval's check(candidate), by name
         self.modules: dict[str, str] = {"math": "math"}  # checker name -> module in _MODULES
-        self.imports: list[ast.stmt] = []  # (checker-side imports become assignments of module views)
 
     # expressions ------------------------------------------------------------------
 
@@ -695,7 +694,8 @@ class _Splitter:
             for a in node.names:
                 self.bind_checker([a.asname or a.name], node.lineno)
                 view = ast.Call(ast.Name(f"{_PREFIX}module", ast.Load()), [ast.Constant(node.module)], [])
-                out.append(ast.Assign([ast.Name(a.asname or a.name, ast.Store())], ast.Attribute(view, a.name, ast.Load())))
+                value = ast.Attribute(view, a.name, ast.Load())
+                out.append(ast.Assign([ast.Name(a.asname or a.name, ast.Store())], value))
         return [ast.copy_location(stmt, node) for stmt in out]
 
     # HumanEval: def check(candidate): ...; check(entry_point) ---------------------------
