@@ -229,6 +229,16 @@ SHAPES = [
     ("def f(x):\n    return {x: (x, 2.5, None, b'z', 1j, frozenset({1}))}\n",
      "assert f(1) == {1: (1, 2.5, None, b'z', 1j, frozenset({1}))}"),
     ("def f():\n    return float('nan'), 10 ** 5000\n", "a, b = f()\nassert a != a and b == 10 ** 5000"),
+    # MBPP 40 and 367: a Counter compared with a dict; setup lines that build the program's objects
+    ("from collections import Counter, deque\nfrom itertools import chain\n"
+     "def freq_element(nums):\n    return Counter(chain.from_iterable(nums))\n"
+     "def window(xs):\n    return deque(xs, maxlen=2)\n",
+     "assert freq_element([[1, 2, 3, 2], [4, 5, 6, 2]])==({2: 3, 1: 1, 3: 1, 4: 1, 5: 1, 6: 1})\n"
+     "assert window([1, 2, 3]) == [2, 3]"),
+    ("class Node:\n    def __init__(self, data):\n        self.data, self.left, self.right = data, None, None\n"
+     "def height(n):\n    return 0 if n is None else 1 + max(height(n.left), height(n.right))\n",
+     "root = Node(1) \r\nroot.left = Node(2) \r\nroot.left.left = Node(4)\r\nroot.left.left.data += 1\n"
+     "assert height(root) == 3 and root.left.left.data == 5"),
     # HumanEval-style check(candidate); the second is HumanEval/32's test (setup in the program's
     # process, random inputs drawn by the checker)
     ("import math\ndef poly(xs, x):\n    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n"

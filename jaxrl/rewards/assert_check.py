@@ -116,7 +116,23 @@ _ITER_TYPES = tuple(type(x) for x in (
     iter([]), iter(()), iter(""), iter(b""), iter(range(0)), iter({}), iter(set()), {}.keys(), {}.values(),
     {}.items(), map(abs, []), filter(None, []), zip(), enumerate([]), reversed([]), (x for x in ()),
 ))
+
+
+def _stdlib_kind(t):
+    # collections' Counter, OrderedDict and defaultdict are sent as dicts, deque as a list: honest
+    # programs return them. What is sent is their contents, read with dict's and list's own methods.
+    collections = __import__("sys").modules.get("collections")
+    if collections is None:
+        return None
+    if t is collections.Counter or t is collections.OrderedDict or t is collections.defaultdict:
+        return dict
+    if t is collections.deque:
+        return list
+    return None
 _ESCAPES = {}  # filled on first need: most programs never send an unusual string
+
+
+_PLAIN = (str, type(None), bool, int, float, complex, bytes, list, tuple, set, frozenset, range, dict)
 
 
 def _json_str(v):
@@ -167,10 +183,10 @@ def encode(value, max_items=100000, max_int_bits=1 << 17):
                 first = False
                 enc(x, depth + 1)
             put("]" if t is list else "]}")
-        elif t is dict:
+        elif t is dict or (t not in _PLAIN and _stdlib_kind(t) is dict):
             put('{"d":[')
             first = True
-            for k, x in v.items():
+            for k, x in dict.items(v):
                 put("[" if first else ",[")
                 first = False
                 enc(k, depth + 1)
@@ -178,6 +194,8 @@ def encode(value, max_items=100000, max_int_bits=1 << 17):
                 enc(x, depth + 1)
                 put("]")
             put("]}")
+        elif t not in _PLAIN and _stdlib_kind(t) is list:
+            enc(list(v), depth)
         else:
             raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value")
 
@@ -625,6 +643,11 @@ class _Splitter:
             if self.is_program(node.value, empty):
                 return [ast.copy_location(ast.Expr(self.ask(node, empty, "exec")), node)]
             return [ast.copy_location(ast.Expr(self.expr(node.value, empty)), node)]
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, ast.Assign | ast.AugAssign) and all(
+            isinstance(t, ast.Attribute | ast.Subscript) and self.is_program(t, empty) for t in targets
+        ):  # root.left = Node(2): a change to the program's objects, made by its code
+            return [ast.copy_location(ast.Expr(self.ask(node, empty, "exec")), node)]
         if isinstance(node, ast.Assign):
             names = [n for t in node.targets for n in _bound_by(t)]
             if self.is_program(node.value, empty):
