@@ -433,3 +433,14 @@ def test_methods_whose_argument_is_the_answer_run_in_the_checker():
     assert [c.status for c in result.cases] == ["bad_value"], result
     honest = f"def f(x):\n    return '{SECRET}!' if x == 2 else {{{SECRET}}}\n"
     assert run_tests(honest, [test], FAST).pass_fraction == 1.0
+
+
+def test_an_unsupported_test_is_logged_once(monkeypatch, caplog):
+    import logging
+
+    import jaxrl.rewards.sandbox as sandbox
+    monkeypatch.setattr(sandbox, "_unsupported_warned", False)
+    with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+        result = run_tests(HONEST, [{"assert": "while True:\n    pass"}] * 2, FAST)
+    assert [c.status for c in result.cases] == ["unsupported_test"] * 2
+    assert caplog.text.count("cannot be judged safely") == 1 and "While" in caplog.text

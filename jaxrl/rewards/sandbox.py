@@ -384,7 +384,7 @@ def serve(case_fd, request_fd, reply_fd, max_reply):
             continue
         try:
             reply = '["ok",%s]' % encode(result)
-            if len(reply) > max_reply:
+            if len(reply.encode("utf-8")) > max_reply:
                 raise TypeError(f"the value is over {max_reply} bytes encoded")
         except BaseException as e:
             reply = '["bad",%s]' % encode(str(e)[:200])
@@ -830,6 +830,7 @@ def run_tests(
     ``budget_s`` bounds the wall time of all runs together: each run's ``wall_time_s`` is cut to the
     time left, and cases with no time left are not run (status ``"not_run"``).
     """
+    global _unsupported_warned
     end = math.inf if budget_s is None else time.monotonic() + budget_s
     cases, isolated = [], []
     for test in tests:
@@ -855,7 +856,10 @@ def run_tests(
             try:
                 split = assert_check.plan(test["assert"])
             except assert_check.UnsupportedTest as e:
-                log.debug("assert test not run: %s", e)
+                if not _unsupported_warned:
+                    _unsupported_warned = True
+                    log.warning("an assert test cannot be judged safely and scores 0 for every program: %s "
+                                "(see jaxrl.rewards.assert_check; logged once per process)", e)
                 cases.append(CaseResult(False, "unsupported_test", 0.0))
                 continue
             r = _run(code, "", run_limits, assert_test=split)
@@ -876,6 +880,7 @@ def run_tests(
 
 
 _budget_warned = False  # whether code_reward has warned about running out of time in this process
+_unsupported_warned = False  # whether run_tests has warned about an assert test it cannot split
 
 
 def code_reward(completion: str, reference: str) -> float:
