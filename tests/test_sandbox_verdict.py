@@ -317,7 +317,8 @@ def test_checker_guards_stop_runaway_checker_work():
                  "assert all(True for _ in range(f(1)))", "assert len(set(range(f(1)))) > 0",
                  "assert pow(3, f(1) ** 400, f(1) ** 400 + 1) > 0", "assert (1 << f(1)) > 0",
                  "assert len(str(g(1)).join(g(2))) > 0", "assert sum(g(3), []) == []",
-                 "assert len([[0] * (f(1) // 10 ** 9) for _ in range(100)]) > 0"):
+                 "assert len([[0] * (f(1) // 10 ** 9) for _ in range(100)]) > 0",
+                 "assert round(f(1), -f(1)) == 0"):
         start = time.monotonic()
         result = run_tests(code, [{"assert": test}], FAST)
         assert [c.status for c in result.cases] == ["checker_limit"], (test, result)

@@ -424,6 +424,11 @@ class _Guarded:
             raise CheckerLimit("a modular power over the size limit")
         return pow(a, b, m)
 
+    def round(self, number, ndigits=None):
+        if isinstance(ndigits, int) and abs(ndigits) > 10_000:  # round(int, -10**9) builds 10**(10**9)
+            raise CheckerLimit("round() to more than 10000 digits")
+        return round(number) if ndigits is None else round(number, ndigits)
+
     def sum(self, iterable, start=0):
         if not isinstance(start, (int, float, complex)):  # sum(lists, []) is quadratic
             raise CheckerLimit("sum() of sequences is not supported in a test")
@@ -450,7 +455,7 @@ def _builtins(g: _Guarded) -> dict:
     )
     table = {name: getattr(builtins, name) for name in plain}
     table.update(
-        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, sum=g.sum,
+        range=g.range, set=g.set, frozenset=g.frozenset, dict=g.dict, pow=g.pow, sum=g.sum, round=g.round,
         math=_module_view("math"), **_EXCEPTIONS,
     )
     return table
