@@ -445,3 +445,17 @@ def test_an_unsupported_test_is_logged_once(monkeypatch, caplog):
         result = run_tests(HONEST, [{"assert": "while True:\n    pass"}] * 2, FAST)
     assert [c.status for c in result.cases] == ["unsupported_test"] * 2
     assert caplog.text.count("cannot be judged safely") == 1 and "While" in caplog.text
+
+
+def test_a_task_to_write_a_builtin_is_the_programs_only_where_the_test_calls_nothing_else():
+    # MBPP 126: the task is to write `sum(a, b)` (the sum of common divisors); the test calls it
+    code = "def sum(a, b):\n    return __builtins__.sum(i for i in range(1, min(a, b)) if a % i == 0 == b % i)\n"
+    assert run_tests(code, [{"assert": "assert sum(10,15) == 6"}], FAST).pass_fraction == 1.0
+    assert run_tests("x = 1\n", [{"assert": "assert sum(10,15) == 6"}], FAST).pass_fraction == 0.0
+    # but where the test also calls the program, `sorted` of the expected value stays the checker's:
+    # the program's `sorted` would see [3, 1, 2] and could answer whatever its f said
+    forger = "def f(x):\n    return [0]\ndef sorted(xs, **k):\n    return [0]\n"
+    test = {"assert": "assert sorted(f(3)) == sorted([3, 1, 2])"}
+    assert run_tests(forger, [test], FAST).pass_fraction == 0.0
+    assert assert_check.shadowed_builtins(forger) == {"sorted"}
+    assert assert_check.shadowed_builtins("def g():\n    def sum(): pass\nlen = 3\nmax == 2\n") == {"len"}

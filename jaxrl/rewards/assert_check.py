@@ -48,7 +48,9 @@ by the program's code cannot be caught by the test; values the test reads back f
 of its program-side statements bound (``x = helper()``, then ``f(x) == x + 1``) are the program's to
 report, as they were before; ``startswith``, ``endswith``, ``issubset``, ``issuperset`` and
 ``isdisjoint`` (``_VERDICT_METHODS``) are the checker's, called on the program's value, so an object of
-the program with such a method is a ``"bad_value"``.
+the program with such a method is a ``"bad_value"``; a program that defines a name of
+``CHECKER_BUILTINS`` (``def sum(a, b)``) gets its own only in tests that call nothing else of it (see
+``plan``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import json
 import marshal
 import math
 import random
+import re
 import string
 import time
 import types
@@ -505,9 +508,9 @@ def _lambda_args(args: ast.arguments) -> list[str]:
 
 
 class _Splitter:
-    def __init__(self):
+    def __init__(self, theirs: frozenset = frozenset()):
         self.program_code: list[tuple[str, str]] = []
-        self.checker_names: set[str] = set(CHECKER_BUILTINS)  # names that mean a checker value
+        self.checker_names: set[str] = set(CHECKER_BUILTINS - theirs)  # names that mean a checker value
         self.program_names: set[str] = set()  # names a program-side statement of the test bound
         self.checks: dict[str, ast.FunctionDef] = {}  # HumanEval's check(candidate), by name
         self.modules: dict[str, str] = {"math": "math"}  # checker name -> module in _MODULES
@@ -796,15 +799,40 @@ class _Placeholders(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
+_TOP_LEVEL_NAME = re.compile(r"^(?:(?:async\s+)?def|class)\s+(\w+)|^(\w+)\s*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
+
+
+def shadowed_builtins(program: str) -> frozenset:
+    """Names of ``CHECKER_BUILTINS`` the program defines at its top level (``def sum(a, b):``), found
+    by a pattern (the caller does not parse untrusted source)."""
+    found = {a or b for a, b in _TOP_LEVEL_NAME.findall(program)}
+    return frozenset(found & CHECKER_BUILTINS)
+
+
 @functools.lru_cache(maxsize=4096)  # a dataset's tests recur every epoch; a Plan is immutable
-def plan(source: str) -> Plan:
-    """Split the test ``source``; UnsupportedTest (one line, naming the test line) if it cannot be."""
+def plan(source: str, shadowed: frozenset = frozenset()) -> Plan:
+    """Split the test ``source``; UnsupportedTest (one line, naming the test line) if it cannot be.
+
+    ``shadowed``: ``shadowed_builtins`` of the program. A test that would never reach the program
+    (``assert sum(10, 15) == 6`` where the task is to write ``sum``, MBPP 126) is split again with
+    those names meaning the program's. Only then: in a test that also calls the program's ``f``,
+    ``sorted(...)`` of the expected value must stay the checker's, or the program could answer it.
+    """
+    split = _plan(source, frozenset())
+    if split.program_code or not shadowed:
+        return split
+    tree = ast.parse(source, "<test>")
+    used = shadowed & {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return _plan(source, frozenset(used)) if used else split
+
+
+def _plan(source: str, theirs: frozenset) -> Plan:
     try:
         tree = ast.parse(source, "<test>")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise UnsupportedTest(f"the test does not parse: {type(e).__name__}: {e}") from None
     try:
-        splitter = _Splitter()
+        splitter = _Splitter(theirs)
         body = splitter.block(tree.body)
         module = ast.fix_missing_locations(ast.Module(body, []))
         code = compile(module, "<test>", "exec", dont_inherit=True)

@@ -833,6 +833,7 @@ def run_tests(
     global _unsupported_warned
     end = math.inf if budget_s is None else time.monotonic() + budget_s
     cases, isolated = [], []
+    shadowed = assert_check.shadowed_builtins(code) if isinstance(code, str) else frozenset()
     for test in tests:
         is_assert = isinstance(test, dict) and isinstance(test.get("assert"), str)
         is_io = (
@@ -854,7 +855,7 @@ def run_tests(
             run_limits = limits
         if is_assert:
             try:
-                split = assert_check.plan(test["assert"])
+                split = assert_check.plan(test["assert"], shadowed)
             except assert_check.UnsupportedTest as e:
                 if not _unsupported_warned:
                     _unsupported_warned = True
