@@ -434,6 +434,8 @@ def test_methods_whose_argument_is_the_answer_run_in_the_checker():
     assert [c.status for c in result.cases] == ["bad_value"], result
     honest = f"def f(x):\n    return '{SECRET}!' if x == 2 else {{{SECRET}}}\n"
     assert run_tests(honest, [test], FAST).pass_fraction == 1.0
+    views = {"assert": "assert f(1).keys() == {'a'} and sorted(f(1).items()) == [('a', 2)]"}
+    assert run_tests("def f(x):\n    return {'a': 2}\n", [views], FAST).pass_fraction == 1.0
 
 
 def test_an_unsupported_test_is_logged_once(monkeypatch, caplog):

@@ -46,9 +46,9 @@ function passed to a checker function (``map(f, xs)``, ``sorted(xs, key=f)``) is
 not visible to the program's code; a ``StopIteration``, ``SystemExit`` or ``KeyboardInterrupt`` raised
 by the program's code cannot be caught by the test; values the test reads back from a name that one
 of its program-side statements bound (``x = helper()``, then ``f(x) == x + 1``) are the program's to
-report, as they were before; ``startswith``, ``endswith``, ``issubset``, ``issuperset`` and
-``isdisjoint`` (``_VERDICT_METHODS``) are the checker's, called on the program's value, so an object of
-the program with such a method is a ``"bad_value"``; a program that defines a name of
+report, as they were before; ``startswith``, ``endswith``, ``issubset``, ``issuperset``,
+``isdisjoint``, ``keys``, ``values`` and ``items`` (``_VERDICT_METHODS``) are the checker's, called on
+the program's value, so an object of the program with such a method is a ``"bad_value"``; a program that defines a name of
 ``CHECKER_BUILTINS`` (``def sum(a, b)``) gets its own only in tests that call nothing else of it (see
 ``plan``).
 """
@@ -336,10 +336,11 @@ _METHODS = frozenset(
     # random.Random's, for rng = random.Random(42); rng.randint(1, 9)
     "seed random randint randrange uniform choice shuffle sample".split()
 )
-# Methods whose arguments are often the expected answer and whose result is the verdict
-# (``f(x).startswith("ab")``): called by the checker on the program's value, which must be plain, never
-# by the program's code, which would see the answer and could say True.
-_VERDICT_METHODS = frozenset("startswith endswith issubset issuperset isdisjoint".split())
+# Methods called by the checker on the program's value, which must be plain, never by the program's code:
+# those whose argument is often the expected answer and whose result is the verdict
+# (``f(x).startswith("ab")``: the program's code would see the answer and could say True), and dict views
+# (``f(x).keys() == {"a"}``: a view is compared as a set, which an iterator sent back is not).
+_VERDICT_METHODS = frozenset("startswith endswith issubset issuperset isdisjoint keys values items".split())
 _EXCEPTIONS = {
     name: obj for name, obj in vars(builtins).items()
     if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")
