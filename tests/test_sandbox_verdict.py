@@ -354,7 +354,8 @@ def test_codec_round_trips_plain_values_and_refuses_the_rest():
     for v in (Int(1), [Int(1)], {"k": object()}, print, type, [[]] * 0 + [[[]]] and _nested(200)):
         with pytest.raises(TypeError):
             encode(v)
-    for data in ('{"a": 1}', '{"t": 1}', '[' * 100000, '{"s": [[1]]}', "x" * (2 << 20), '{"Z": []}'):
+    for data in ('{"a": 1}', '{"t": 1}', '[' * 100000, '{"s": [[1]]}', "x" * (2 << 20), '{"Z": []}',
+                 "[" * 150 + "]" * 150):
         with pytest.raises(ValueError):
             decode(data)
 

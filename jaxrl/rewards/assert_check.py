@@ -23,8 +23,8 @@ Values come back as JSON written by ``encode`` (the program's harness runs a cop
 built-in types only (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``list``,
 ``tuple``, ``dict``, ``set``, ``frozenset``; ``range`` and iterators such as ``map`` become a list
 iterator), no subclass and no object of the program, so comparing them calls no method the program
-wrote; more than 16 distinct parts with one hash (which would make a set of them quadratic) are
-refused. Requests (the values the checker sends) go the other way as ``marshal``, from the trusted
+wrote; more than 16 distinct parts with one hash (which would make a set of them quadratic) and
+nesting deeper than 100 are refused. Requests (the values the checker sends) go the other way as ``marshal``, from the trusted
 side, after the same exact-type check.
 
 Checker-side code runs with a restricted builtins dict and under guards: ``*``, ``**``, ``<<``, ``%``,
@@ -252,17 +252,19 @@ def _collision_guard(value: object) -> None:
     """Refuse a value holding more than 16 distinct hashable parts with one hash: whatever the checker
     later builds from them (a set, dict keys) could take quadratic time."""
     buckets: dict[int, list] = {}
-    stack = [value]
+    stack = [(value, 0)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         t = type(v)
+        if depth > 101:  # encode() refuses deeper values; hashing a tuple costs its depth
+            raise ValueError("nested deeper than 100")
         if t is list or t is set or t is frozenset or t is tuple:
-            stack.extend(v)
+            stack.extend((x, depth + 1) for x in v)
         elif t is dict:
-            stack.extend(v)
-            stack.extend(v.values())
+            stack.extend((x, depth + 1) for x in v)
+            stack.extend((x, depth + 1) for x in v.values())
         elif t in _ITER_TYPES:
-            stack.extend(v.__reduce__()[1][0])
+            stack.extend((x, depth + 1) for x in v.__reduce__()[1][0])
         if t is list or t is set or t is dict or t in _ITER_TYPES:
             continue
         try:
