@@ -109,7 +109,7 @@ def test_correct_program_passes_all():
 def test_wrong_program_gets_partial_credit():
     wrong = SQUARE.replace("x * x", "x + x")  # right only for x == 2
     result = run_tests(wrong, TESTS, FAST)
-    assert [c.status for c in result.cases] == ["ok", "wrong_answer", "runtime_error", "runtime_error"]
+    assert [c.status for c in result.cases] == ["ok", "wrong_answer", "wrong_answer", "wrong_answer"]
     assert result.pass_fraction == 0.25
     assert code_reward(_completion("print(0)\n"), _reference(TESTS[:2])) == 0.0
 
@@ -456,11 +456,11 @@ def test_assert_harness_runs_ordinary_programs_as_scripts():
         {"assert": "assert f(5) == 25"},
         {"assert": "import os\nassert os.path.isabs(MAIN[0]) and MAIN[0].endswith('/prog.py'), MAIN"},
         {"assert": "assert MAIN[1:] == (['prog.py'], 3), MAIN"},
-        {"assert": "import sys\nassert sys.modules['__main__'].f is f"},
+        {"assert": "import sys\nassert id(sys.modules['__main__'].f) == id(f)"},
         {"assert": "assert f(2) == 5"},
     ]
     result = run_tests(code, tests, FAST)
-    assert [c.status for c in result.cases] == ["ok", "ok", "ok", "ok", "runtime_error"], result
+    assert [c.status for c in result.cases] == ["ok", "ok", "ok", "ok", "wrong_answer"], result
     syntax_error = run_tests("def f(:\n", [{"assert": "pass"}], FAST)
     assert syntax_error.cases[0].status == "runtime_error"
     assert run_tests("x = bytearray(10**10)\n", [{"assert": "pass"}], FAST).cases[0].status == "memory"
@@ -505,15 +505,18 @@ def test_assert_tests_cannot_fork_an_oracle():
         result = run_tests(code, ADD_TESTS, FAST)
         assert result.pass_fraction == 0.0, result
     # The program of an assert test gets EPERM from fork and subprocess; threads still work.
-    code = "import errno, os, subprocess, threading\ndef f(x):\n    return x * x\n"
+    code = (
+        "import errno, os, subprocess, threading\ndef f(x):\n    return x * x\n"
+        "def threaded():\n    out = []\n"
+        "    ts = [threading.Thread(target=lambda i=i: out.append(f(i))) for i in range(4)]\n"
+        "    [t.start() for t in ts]\n    [t.join() for t in ts]\n    return sorted(out)\n"
+    )
     tests = [
         {"assert": "try:\n    os.fork()\nexcept OSError as e:\n    assert e.errno == errno.EPERM\n"
                    "else:\n    os._exit(0)  # early_exit in parent and child"},
         {"assert": "try:\n    subprocess.run(['true'])\nexcept OSError as e:\n"
                    "    assert e.errno == errno.EPERM\nelse:\n    raise AssertionError('subprocess ran')"},
-        {"assert": "out = []\n"
-                   "ts = [threading.Thread(target=lambda i=i: out.append(f(i))) for i in range(4)]\n"
-                   "[t.start() for t in ts]\n[t.join() for t in ts]\nassert sorted(out) == [0, 1, 4, 9]"},
+        {"assert": "assert threaded() == [0, 1, 4, 9]"},
     ]
     result = run_tests(code, tests, FAST)
     assert [c.status for c in result.cases] == ["ok"] * 3, result
@@ -524,8 +527,8 @@ def test_assert_tests_cannot_fork_an_oracle():
     assert run_program(forking, "", FAST)[:2] == ("ok", "forked\n")
 
 
-def test_forked_child_cannot_write_the_nonce_without_seccomp(monkeypatch):
-    # Where the seccomp filter is unavailable, the harness still refuses the nonce to a forked child.
+def test_forked_children_cannot_pass_without_seccomp(monkeypatch):
+    # Where the seccomp filter is unavailable, forked children still cannot pass: the caller decides.
     launcher_argv = sandbox._launcher_argv
     monkeypatch.setattr(sandbox, "_launcher_argv", lambda *a, no_fork=False: launcher_argv(*a))
     forks = {"assert": "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)"}

@@ -8,19 +8,40 @@ fraction that pass. Each test is either
 * ``{"input": str, "output": str}``: the program reads stdin and its stdout
   must equal ``output`` after normalisation (each line right-stripped, trailing
   blank lines dropped); or
-* ``{"assert": "assert f(2) == 4"}``: a small harness runs the program as
-  ``__main__`` and then the statement in its namespace; the case passes iff the
-  statement completes. Exiting with status 0 is not enough: the harness then
-  writes a random per-run nonce to a pipe only it was told about, and the
-  parent requires it (see ``_ASSERT_HARNESS``: ``sys.exit`` and ``SystemExit``
-  fail the case, ``os._exit(0)`` or ``exec`` of another program before the
-  statement ran is ``"early_exit"``). The statement is never written to a file
-  the program can read. The program of an assert test cannot create processes
-  (threads are fine): a seccomp filter makes ``fork``, ``subprocess`` and
-  ``multiprocessing`` fail with EPERM. Otherwise it could fork one child per
-  guessed answer, each running into the statement, and exit 0 once one passed.
-  (IO tests keep ``fork``: the parent judges the stdout of the whole run, so
-  there is nothing for a child to pass on its own.)
+* ``{"assert": "assert f(2) == 4"}`` (one or more lines): the caller decides, not the program.
+  ``assert_check`` splits the test with ``ast`` into program-side expressions (``f(2)``: names the
+  test does not bind, and calls, attributes and subscripts on them) and checker-side code
+  (``== 4``, literals, a few pure builtins and ``math``, loop and comprehension variables). The
+  program's process runs the program as ``__main__`` (``_ASSERT_HARNESS``) and then evaluates
+  program-side expressions on request, sending back each value as JSON of exact built-in types; the
+  caller decodes it as untrusted data and runs the checker-side code over it. The case passes iff
+  every assert held. The program's process never holds the checker side, the expected values or
+  anything that marks a pass. A test shape that cannot be split safely fails closed
+  (``"unsupported_test"``, without running the program); ``assert_check`` lists the shapes. The
+  program of an assert test cannot create processes (threads are fine): a seccomp filter makes
+  ``fork``, ``subprocess`` and ``multiprocessing`` fail with EPERM. (IO tests keep ``fork``: the
+  parent judges the stdout of the whole run.)
+
+Threat model of assert tests. The program controls its whole process: the harness, its memory and
+fds, what it sends and when it exits. It can therefore choose the values its program-side
+expressions evaluate to (as an honest program does) and nothing more:
+
+* it cannot read the expected values or the checker side, which stay in the caller (frames, ``gc``,
+  ``/proc/self/mem`` and the inherited fds hold only the program-side code and the values sent to it);
+* comparison runs on values the caller decoded itself (``assert_check.decode``: exact ``int``,
+  ``float``, ``str``, ``list``, ``dict``, ... and no subclass), so an object whose ``__eq__`` is
+  always true, a patched encoder or a forged reply is a ``"bad_value"``/``"bad_reply"`` or just a
+  wrong value;
+* exiting early (``os._exit(0)``, ``sys.exit``, ``atexit``, a signal) before every request was
+  answered fails the case (``"early_exit"`` or ``"runtime_error"``), as do a crash, a timeout, junk
+  on the reply pipe and replies over ``assert_check.MAX_REPLY_BYTES``;
+* the values it sends cannot make the checker's work blow up: decoding is bounded (size, depth,
+  colliding hashes), and checker-side ``*``, ``**``, ``<<``, ``range``, ``join``, ``sum``, ``set``
+  and loops stop at limits or at the case's deadline (``"checker_limit"``);
+* what it can still learn is the order of requests: a later request shows that the checker went on.
+  It cannot take back an answer already sent, and each case is a fresh process, so this does not
+  tell it an answer it could still use. A test that is weak in itself (``any(f(x) == 7 for x in
+  range(10))`` can be met by answering 0, 1, 2, ... in turn) stays weak.
 
 Each test case is one fresh process:
 
@@ -118,19 +139,16 @@ Known gaps (honest list):
 * The only seccomp filter is the one against new processes in assert tests;
   otherwise the kernel's syscall surface is fully exposed. That filter exists
   for x86_64 and aarch64 only, and needs ``PR_SET_NO_NEW_PRIVS`` and seccomp
-  filters (Linux >= 3.5). Elsewhere (or where ``prctl`` fails) a forked child
-  still cannot write the nonce (the harness checks its pid) and exits as
-  silently when its statement held as when it failed, but a program that
-  instruments the interpreter (audit hooks, ``gc`` callbacks, ``ctypes``) might
-  still tell the two apart in a child and so learn the answer by trial.
+  filters (Linux >= 3.5). Where it is missing a forked child of an assert test
+  could also answer requests; it learns no more than its parent (see the threat
+  model above).
 * The parent-death signal fires when the calling *thread* exits, so do not
   call this from a thread that may end before the run does.
-* The assert harness shares its process with the program, so a program that
-  deliberately inspects the harness (frames, ``gc``, ``ctypes``,
-  ``/proc/self/mem``) can find the nonce and forge a pass; the nonce stops
-  every way of *ending* the process early, not such introspection. Nor can any
-  harness stop a program from satisfying an assert dishonestly, e.g. by
-  returning an object whose ``__eq__`` is always true.
+* Checker-side code runs in the caller's process (in training a ``RewardPool`` worker, which the
+  pool kills at its deadline). It is the dataset's code, held to a checked subset of Python with
+  restricted builtins; the program's values bound the size of what it handles, but a test that
+  itself loops long over them (``s.add(f(i))`` for 10^5 requests into one set) costs the caller that
+  time, up to the case's wall limit plus the work between two requests.
 * Orphaned sandbox dirs are found by the creator's pid: a process in another
   PID namespace sharing the same temp dir could have a live dir deleted.
 """
@@ -140,10 +158,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import marshal
 import math
 import os
 import re
-import secrets
 import selectors
 import shutil
 import signal
@@ -154,6 +172,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
+from jaxrl.rewards import assert_check
 from jaxrl.rewards.pool import item_deadline
 from jaxrl.rewards.sandbox_child import NOBODY
 from jaxrl.rewards.sandbox_host import host_setup
@@ -213,11 +232,17 @@ class SandboxLimits:
 class CaseResult:
     """One test case.
 
-    ``status`` is one of ``"ok"``, ``"wrong_answer"``, ``"runtime_error"``,
-    ``"early_exit"`` (an assert test whose program exited with status 0 before
-    the statement completed), ``"timeout"`` (wall or CPU limit), ``"memory"``,
-    ``"output_limit"``, ``"file_limit"``, ``"invalid_test"``, ``"not_run"`` (no
-    time left in ``run_tests``' budget) or ``"sandbox_error"``.
+    ``status`` is one of ``"ok"``, ``"wrong_answer"`` (wrong output, or an assert
+    that did not hold), ``"runtime_error"`` (the program, or its code that a test
+    called, raised), ``"early_exit"`` (an assert test whose program exited with
+    status 0 before answering every request), ``"timeout"`` (wall or CPU limit),
+    ``"memory"``, ``"output_limit"``, ``"file_limit"``, ``"invalid_test"``,
+    ``"not_run"`` (no time left in ``run_tests``' budget), ``"sandbox_error"``, or,
+    for assert tests only, ``"unsupported_test"`` (the test cannot be split safely,
+    see ``assert_check``; the program is not run), ``"bad_value"`` (a program-side
+    expression gave something that is not a plain value), ``"bad_reply"`` (junk or
+    too much on the reply pipe) or ``"checker_limit"`` (checker-side work over a
+    size or step limit).
     """
 
     passed: bool
@@ -282,60 +307,92 @@ def run_script(path):
 run_script(sys.argv[1])
 """
 
-# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD MARKER_FD`` in the sandbox dir. CASE_FD is an unlinked
-# file holding "<nonce>\n<assert statement>"; the harness reads and closes it before the program runs,
-# so neither is on disk, in argv or in the environment. The program runs as the script ``prog.py``
-# (``__main__``, absolute ``__file__``, ``sys.argv == ["prog.py"]``), then the statement runs in its
-# namespace, with tracing reset so a trace function cannot jump over it. Only then is the nonce
-# written to MARKER_FD, and the parent counts the case as passed only if exactly that nonce arrives.
-# An exception, ``SystemExit`` included, exits with status 1 (skipping ``atexit`` handlers); ending
-# the process some other way (``os._exit``, ``exec``, a signal) leaves the marker unwritten. Writing
-# junk to MARKER_FD only spoils the marker. Everything used after the program runs is bound first,
-# so patching ``builtins``, ``sys`` or ``os`` cannot redirect it. Only the process that started the
-# harness writes the nonce: a child the program forked (one per guessed answer, each running into the
-# statement, the parent exiting 0 once one wrote the nonce) exits with status 1 whether or not its
-# statement held, without a traceback. The launcher's seccomp filter normally stops such forks
-# outright (``sandbox_child.no_fork_filter``); this check is what is left where it cannot be installed.
-# Residual risk: the nonce is in this process's memory (a local of ``run_case``), so a program that
-# deliberately digs it out (its caller's frame, ``gc``, ``ctypes``) can forge a pass; see the module
-# docstring.
-_ASSERT_HARNESS = _QUIT_BUILTINS + r"""
-import os
+# ``python _PYTHON_FLAGS -c _ASSERT_HARNESS CASE_FD REQUEST_FD REPLY_FD MAX_REPLY`` in the sandbox dir: the
+# program's half of an assert test (see ``assert_check``). CASE_FD is an unlinked file holding the test's
+# program-side code (``marshal`` of ``(("eval", "f(2)"), ...)``, never the checker side); the harness reads
+# and closes it, runs the program as the script ``prog.py`` (``__main__``, absolute ``__file__``,
+# ``sys.argv == ["prog.py"]``), sends ``["ready"]`` on REPLY_FD, then answers requests ``(i, (values...))``
+# (``marshal``, from the trusted caller) from REQUEST_FD with ``["ok", value]``, ``["raise", "ValueError",
+# [args]]`` or ``["bad", why]`` (a value that is not plain), in JSON written by ``assert_check.encode``,
+# until REQUEST_FD closes. Messages are a 4-byte big-endian length and the payload. The
+# program shares this process and may rewrite any of it, or answer itself: that only changes the values
+# it sends, which it controls anyway. The caller decodes them as untrusted data and decides. An exception
+# while the program runs, ``SystemExit`` included, exits with status 1 before "ready".
+_ASSERT_HARNESS = _QUIT_BUILTINS + assert_check.CODEC_SOURCE + r"""
+import marshal, os
 
 
-def run_case(case_fd, marker_fd):
-    write, exit_now, run, report, getpid = os.write, os._exit, exec, sys.__excepthook__, os.getpid
-    settrace, setprofile = sys.settrace, sys.setprofile
-    harness_pid = getpid()
+def _send(fd, text):
+    data = text.encode("utf-8", "surrogatepass")
+    data = len(data).to_bytes(4, "big") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _builtin_name(e):
+    for cls in type(e).__mro__:
+        if cls.__module__ == "builtins":
+            return cls.__name__
+    return "Exception"
+
+
+def serve(case_fd, request_fd, reply_fd, max_reply):
     with os.fdopen(case_fd, "rb") as f:
-        nonce, _, test = f.read().partition(b"\n")
+        codes = marshal.loads(f.read())
     try:
         path = os.path.abspath("prog.py")
         with open(path, "rb") as f:
             program = compile(f.read(), path, "exec", dont_inherit=True)
-        check = compile(test, "<test>", "exec", dont_inherit=True)
+        compiled = [compile(src, "<test>", mode, dont_inherit=True) for mode, src in codes]
         main = type(sys)("__main__")
         main.__file__, main.__builtins__ = path, __builtins__
         sys.modules["__main__"], sys.argv = main, ["prog.py"]
-        run(program, main.__dict__)
-        settrace(None)
-        setprofile(None)
-        run(check, main.__dict__)
-    except BaseException as e:  # SystemExit too: only completing the statement passes
-        if getpid() != harness_pid:  # a forked child: ends just as when its statement held
-            exit_now(1)
+        exec(program, main.__dict__)
+    except BaseException as e:  # SystemExit too: the program did not finish
         try:
-            report(type(e), e, e.__traceback__)
+            sys.__excepthook__(type(e), e, e.__traceback__)
         except BaseException:
             pass
-        exit_now(1)
-    if getpid() != harness_pid:  # a forked child may not pass for the program
-        exit_now(1)
-    write(marker_fd, nonce)
-    exit_now(0)
+        os._exit(1)
+    sys.settrace(None)
+    sys.setprofile(None)
+    _send(reply_fd, '["ready"]')
+    while True:
+        header = _read_exact(request_fd, 4)
+        if header is None:
+            os._exit(0)
+        index, values = marshal.loads(_read_exact(request_fd, int.from_bytes(header, "big")))
+        for k, v in enumerate(values):
+            main.__dict__[f"_jaxrl_a{k}"] = v
+        try:
+            result = eval(compiled[index], main.__dict__)
+        except BaseException as e:
+            try:
+                args = encode(list(e.args))
+            except BaseException:
+                args = "[]"
+            _send(reply_fd, '["raise",%s,%s]' % (encode(_builtin_name(e)), args))
+            continue
+        try:
+            reply = '["ok",%s]' % encode(result)
+            if len(reply.encode("utf-8")) > max_reply:
+                raise TypeError(f"the value is over {max_reply} bytes encoded")
+        except BaseException as e:
+            reply = '["bad",%s]' % encode(str(e)[:200])
+        _send(reply_fd, reply)
 
 
-run_case(int(sys.argv[1]), int(sys.argv[2]))
+serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
 """
 
 
@@ -509,15 +566,148 @@ def _read_now(fd: int) -> bytes:
         return b""
 
 
-def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None = None) -> _Run:
-    """Run ``prog.py`` once on ``stdin``, or, given ``assert_test``, through the assert harness."""
+class _Conversation:
+    """The caller's end of an assert test's pipes: requests out, replies in, while stdout/stderr are
+    drained under the output cap. Every failure is a ``ProgramGone`` naming the case's status."""
+
+    def __init__(self, proc: subprocess.Popen, request_w: int, reply_r: int, deadline: float, cap: int):
+        self.proc, self.request_w, self.reply_r, self.deadline, self.cap = proc, request_w, reply_r, deadline, cap
+        self.outputs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        self.reply = bytearray()
+        self.sel = selectors.DefaultSelector()
+        for fd in (*self.outputs, reply_r):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+        os.set_blocking(request_w, False)
+
+    def texts(self) -> tuple[str, str]:
+        return tuple(bytes(b).decode("utf-8", "replace") for b in self.outputs.values())
+
+    def _pump(self, timeout: float, write: bytes = b"") -> int:
+        """Read what is there within ``timeout`` (and write some of ``write``); returns bytes written."""
+        written = 0
+        if write:
+            self.sel.register(self.request_w, selectors.EVENT_WRITE)
+        try:
+            events = self.sel.select(timeout)
+        finally:
+            if write:
+                self.sel.unregister(self.request_w)
+        for key, _ in events:
+            if key.fd == self.request_w:
+                try:
+                    written = os.write(self.request_w, write)
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    raise assert_check.ProgramGone(self._ended()) from None
+                continue
+            while True:
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    break
+                if not data:
+                    self.sel.unregister(key.fd)
+                    break
+                if key.fd == self.reply_r:
+                    self.reply += data
+                    if len(self.reply) > assert_check.MAX_REPLY_BYTES + 4096:
+                        raise assert_check.ProgramGone("bad_reply", "a reply over the size limit")
+                    continue
+                buf = self.outputs[key.fd]
+                buf += data[: self.cap - len(buf) + 1]
+                if len(buf) > self.cap:
+                    del buf[self.cap:]
+                    raise assert_check.ProgramGone("output_limit")
+        return written
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise assert_check.ProgramGone("timeout")
+        return left
+
+    def _ended(self) -> str:
+        """The status of a program that stopped talking: wait for its exit (draining output) and name it."""
+        while self.proc.poll() is None:
+            self._pump(min(self._left(), 0.05))
+        self._pump(0)
+        return "early_exit" if self.proc.returncode == 0 else _classify(self.proc.returncode, self.texts()[1])
+
+    def recv(self) -> list:
+        """The next reply, decoded: a list whose first item is its kind. ProgramGone for anything else."""
+        while True:
+            if len(self.reply) >= 4:
+                size = int.from_bytes(self.reply[:4], "big")
+                if size > assert_check.MAX_REPLY_BYTES:
+                    raise assert_check.ProgramGone("bad_reply", f"a reply of {size} bytes")
+                if len(self.reply) >= 4 + size:
+                    data = bytes(self.reply[4:4 + size])
+                    del self.reply[:4 + size]
+                    try:
+                        message = assert_check.decode(data, assert_check.MAX_REPLY_BYTES)
+                    except ValueError as e:
+                        raise assert_check.ProgramGone("bad_reply", str(e)) from None
+                    if type(message) is not list or not message or type(message[0]) is not str:
+                        raise assert_check.ProgramGone("bad_reply", "a reply that is not a tagged list")
+                    return message
+            if self.reply_r not in self.sel.get_map() or self.proc.poll() is not None:
+                self._pump(0)
+                if len(self.reply) < 4 or len(self.reply) < 4 + int.from_bytes(self.reply[:4], "big"):
+                    raise assert_check.ProgramGone(self._ended())
+                continue
+            self._pump(min(self._left(), 0.1))
+
+    def send(self, data: bytes) -> None:
+        data = len(data).to_bytes(4, "big") + data
+        while data:
+            data = data[self._pump(min(self._left(), 0.1), data):]
+
+    def ask(self, index: int, values: tuple):
+        """``ask`` for ``assert_check.run_checker``: evaluate program-side code ``index`` with ``values``."""
+        self.send(assert_check.encode_request(index, values))
+        reply = self.recv()
+        kind = reply[0]
+        if kind == "ok" and len(reply) == 2:
+            return reply[1]
+        if kind == "raise" and len(reply) == 3 and type(reply[1]) is str and type(reply[2]) is list:
+            raise assert_check.program_exception(reply[1], tuple(reply[2]))
+        if kind == "bad" and len(reply) == 2:
+            raise assert_check.NotPlain(str(reply[1])[:200])
+        raise assert_check.ProgramGone("bad_reply", f"a reply of kind {kind!r}")
+
+    def close(self) -> None:
+        self.sel.close()
+
+
+def _converse(
+    proc: subprocess.Popen, request_w: int, reply_r: int, test: assert_check.Plan, deadline: float, cap: int
+) -> tuple[str, str, str]:
+    """Run the checker of ``test`` against the program's replies; returns (status, stdout, stderr)."""
+    talk = _Conversation(proc, request_w, reply_r, deadline, cap)
+    try:
+        try:
+            if talk.recv() != ["ready"]:
+                raise assert_check.ProgramGone("bad_reply", "no ready message")
+            status = assert_check.run_checker(test, talk.ask, deadline)
+        except assert_check.ProgramGone as gone:
+            status = gone.status
+        return (status, *talk.texts())
+    finally:
+        talk.close()
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: assert_check.Plan | None = None) -> _Run:
+    """Run ``prog.py`` once on ``stdin``, or, given the split ``assert_test``, through the assert harness,
+    answering its checker (see ``assert_check``)."""
     global _swept
     if not _swept:
         _swept = True
         _remove_orphaned_dirs()
     start = time.monotonic()
     tmpdir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}_")
-    report_r = report_w = marker_r = marker_w = case_file = None
+    report_r = report_w = request_r = request_w = reply_r = reply_w = case_file = None
     try:
         with open(os.path.join(tmpdir, _PROGRAM), "w", encoding="utf-8") as f:
             f.write(code)
@@ -532,14 +722,15 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
         program = [interpreter, *_PYTHON_FLAGS, "-c", _IO_BOOTSTRAP, os.path.join(tmpdir, _PROGRAM)]
         pass_fds = [report_w]
         if assert_test is not None:
-            nonce = secrets.token_hex(16).encode()
             case_file = tempfile.TemporaryFile()  # unlinked: reachable only through the inherited fd
-            case_file.write(nonce + b"\n" + assert_test.encode("utf-8"))
+            case_file.write(marshal.dumps(assert_test.program_code))
             case_file.flush()
             case_file.seek(0)
-            marker_r, marker_w = os.pipe()
-            program[-3:] = ["-c", _ASSERT_HARNESS, str(case_file.fileno()), str(marker_w)]
-            pass_fds += [case_file.fileno(), marker_w]
+            request_r, request_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            program[-3:] = ["-c", _ASSERT_HARNESS, *map(str, (case_file.fileno(), request_r, reply_w)),
+                            str(assert_check.MAX_REPLY_BYTES)]
+            pass_fds += [case_file.fileno(), request_r, reply_w]
         env = {**_ENV, "HOME": tmpdir}
         with open(stdin_path, "rb") as stdin_file:
             proc = subprocess.Popen(  # no preexec_fn: the launcher confines itself, then execs
@@ -554,37 +745,39 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: str | None =
                 pass_fds=pass_fds,
             )
         # Only the child keeps these: the case file then vanishes once the harness has read it.
-        for fd in (report_w, marker_w):
+        for fd in (report_w, request_r, reply_w):
             if fd is not None:
                 os.close(fd)
-        report_w = marker_w = None
+        report_w = request_r = reply_w = None
         if case_file is not None:
             case_file.close()
         try:
-            outcome, (out, err) = _read_bounded(
-                proc, start + limits.wall_time_s, limits.max_output_bytes
-            )
-            if outcome is None:
-                try:
-                    proc.wait(max(0.0, start + limits.wall_time_s - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    outcome = "timeout"
+            deadline = start + limits.wall_time_s
+            if assert_test is not None:
+                outcome, out, err = _converse(proc, request_w, reply_r, assert_test, deadline,
+                                              limits.max_output_bytes)
+            else:
+                outcome, (out, err) = _read_bounded(proc, deadline, limits.max_output_bytes)
+                if outcome is None:
+                    try:
+                        proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        outcome = "timeout"
         finally:
             _kill_group(proc)
             proc.stdout.close()
             proc.stderr.close()
         setup_error, namespaces = _read_report(report_r)
-        if setup_error is not None and outcome is None:  # a timeout during set-up stays a timeout
+        if setup_error is not None and outcome in (None, "early_exit", "runtime_error", "bad_reply"):
+            # the launcher failed: not the program's doing (a timeout during set-up stays a timeout)
             err = f"sandbox launcher: {setup_error}\n{err}"
             return _Run("sandbox_error", out, err, time.monotonic() - start, False)
         status = outcome or _classify(proc.returncode, err)
-        if status == "ok" and assert_test is not None and _read_now(marker_r) != nonce:
-            status = "early_exit"
         return _Run(status, out, err, time.monotonic() - start, "net" in namespaces)
     except (OSError, subprocess.SubprocessError, ValueError) as e:  # e.g. no interpreter
         return _Run("sandbox_error", "", f"{type(e).__name__}: {e}", time.monotonic() - start, False)
     finally:
-        for fd in (report_r, report_w, marker_r, marker_w):
+        for fd in (report_r, report_w, request_r, request_w, reply_r, reply_w):
             if fd is not None:
                 os.close(fd)
         if case_file is not None:
@@ -647,8 +840,10 @@ def run_tests(
     ``budget_s`` bounds the wall time of all runs together: each run's ``wall_time_s`` is cut to the
     time left, and cases with no time left are not run (status ``"not_run"``).
     """
+    global _unsupported_warned
     end = math.inf if budget_s is None else time.monotonic() + budget_s
     cases, isolated = [], []
+    shadowed = assert_check.shadowed_builtins(code) if isinstance(code, str) else frozenset()
     for test in tests:
         is_assert = isinstance(test, dict) and isinstance(test.get("assert"), str)
         is_io = (
@@ -669,7 +864,16 @@ def run_tests(
         else:
             run_limits = limits
         if is_assert:
-            r = _run(code, "", run_limits, assert_test=test["assert"])
+            try:
+                split = assert_check.plan(test["assert"], shadowed)
+            except assert_check.UnsupportedTest as e:
+                if not _unsupported_warned:
+                    _unsupported_warned = True
+                    log.warning("an assert test cannot be judged safely and scores 0 for every program: %s "
+                                "(see jaxrl.rewards.assert_check; logged once per process)", e)
+                cases.append(CaseResult(False, "unsupported_test", 0.0))
+                continue
+            r = _run(code, "", run_limits, assert_test=split)
             passed, status = r.status == "ok", r.status
         else:
             # A correct program must never hit the output cap: allow twice the expected output and then some.
@@ -687,6 +891,7 @@ def run_tests(
 
 
 _budget_warned = False  # whether code_reward has warned about running out of time in this process
+_unsupported_warned = False  # whether run_tests has warned about an assert test it cannot split
 
 
 def code_reward(completion: str, reference: str) -> float:
