@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -284,6 +285,23 @@ def test_degrades_without_namespaces(monkeypatch):
     # no mount namespace can expose it: then the sandbox refuses to run (never as root).
     assert result.cases[0].status in ("ok", "sandbox_error")
     assert code_reward(_completion(SQUARE), _reference(TESTS[:1])) in (0.0, 1.0)
+
+
+def test_removing_a_sandbox_dir_never_changes_its_parents_mode(tmp_path):
+    # rmtree's error hook made the failed path's parent 0700: for a dir already gone (a concurrent sweep of
+    # orphaned dirs), that parent is the shared temp dir, and /tmp became 0700 for every user.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    sandbox._remove_dir(str(shared / "jaxrl_sandbox_1_gone"))
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    locked = shared / "jaxrl_sandbox_1_locked"  # the program made a dir of its own unwritable
+    (locked / "sub").mkdir(parents=True)
+    (locked / "sub" / "file").write_text("x")
+    (locked / "sub").chmod(0o500)
+    sandbox._remove_dir(str(locked))
+    assert not locked.exists()
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
 
 
 def test_deeply_nested_dirs_are_removed():

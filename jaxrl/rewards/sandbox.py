@@ -788,26 +788,32 @@ def _run(code: str, stdin: str, limits: SandboxLimits, assert_test: assert_check
 def _remove_dir(path: str) -> None:
     """Delete a sandbox dir; never raises. ``shutil.rmtree`` recurses once per level, so a program that
     nested thousands of directories (possible where no mount namespace gives it a tmpfs of its own) made
-    it raise RecursionError: ``rm -rf`` then finishes the job at any depth."""
+    it raise RecursionError: ``rm -rf`` then finishes the job at any depth. Permissions are only ever
+    changed inside ``path``: its parent (the shared temp dir) is never touched."""
+    top = os.path.abspath(path)
+
+    def force_remove(func, failed, exc_info) -> None:
+        """rmtree error hook: make a dir inside the sandbox dir writable (the program may chmod things)
+        and retry. A path already gone (a concurrent sweep of orphaned dirs) needs nothing."""
+        parent = os.path.dirname(os.path.abspath(failed))
+        if isinstance(exc_info[1], FileNotFoundError) or not (parent == top or parent.startswith(top + os.sep)):
+            return
+        try:
+            os.chmod(parent, 0o700)
+            func(failed)
+        except OSError:
+            pass
+
     try:
-        shutil.rmtree(path, onerror=_force_remove)
+        shutil.rmtree(top, onerror=force_remove)
     except RecursionError:
         pass
-    for argv in (["chmod", "-R", "u+rwx", "--", path], ["rm", "-rf", "--", path]):
-        if os.path.lexists(path):
+    for argv in (["chmod", "-R", "u+rwx", "--", top], ["rm", "-rf", "--", top]):
+        if os.path.lexists(top):
             try:
                 subprocess.run(argv, capture_output=True, check=False, timeout=60)
             except (OSError, subprocess.SubprocessError):
                 pass
-
-
-def _force_remove(func, path, exc_info) -> None:
-    """rmtree error hook: make the parent dir writable (the program may chmod things) and retry."""
-    try:
-        os.chmod(os.path.dirname(path), 0o700)
-        func(path)
-    except OSError:
-        pass
 
 
 def run_program(
