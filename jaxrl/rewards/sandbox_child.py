@@ -42,14 +42,14 @@ Where a root was asked for but cannot be made, the run fails (``sandbox_error``)
 
 **The seccomp filter**, in every run (IO and assert tests; ``sandbox_host.seccomp_filter``): default allow, EPERM for
 Unix, netlink and every socket domain but AF_INET/AF_INET6 (a fresh network namespace gives those no
-peer), ``socketpair``, keyrings (``add_key``, ``request_key``, ``keyctl``: keys outlived the run),
+peer), keyrings (``add_key``, ``request_key``, ``keyctl``: keys outlived the run),
 ``ptrace``, ``process_vm_*``, ``pidfd_getfd``, mounts, ``unshare``/``setns``/``clone`` with a namespace
 flag, ``bpf``, ``perf_event_open``, ``io_uring`` (its operations bypass seccomp), ``userfaultfd``, module
 and kexec calls and a few more (``sandbox_host._DENIED_SYSCALLS``); assert tests also get EPERM for ``fork``, ``vfork``
 and ``clone`` without ``CLONE_THREAD``. ``clone3`` gets ENOSYS (glibc then uses ``clone``, whose flags a
-filter can read). On x86_64, i386 (``int 0x80``) and x32 syscalls get EPERM. A program that needs
-``asyncio`` (a ``socketpair``) or ``multiprocessing.Manager`` (Unix sockets) fails; ``multiprocessing.Pool``
-(pipes) works in IO tests. *Why libseccomp, through ctypes, compiled in the caller:* hand-written BPF
+filter can read). On x86_64, i386 (``int 0x80``) and x32 syscalls get EPERM. ``socketpair`` stays
+allowed: its two ends reach only each other, and ``asyncio`` needs one for its wake-up pipe. A program that
+needs ``multiprocessing.Manager`` (a named Unix socket) fails; ``multiprocessing.Pool`` (pipes) works in IO tests. *Why libseccomp, through ctypes, compiled in the caller:* hand-written BPF
 must get the arch check, the x32 bit, 64-bit argument compares (``socket(0x100000001)`` is AF_UNIX to
 the kernel) and jump offsets right by itself; libseccomp (``libseccomp2``, a dependency of systemd and
 so on every mainstream distro) is the maintained compiler for exactly that, covers x86_64 and aarch64

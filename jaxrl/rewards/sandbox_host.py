@@ -23,7 +23,6 @@ _DENIED_SYSCALLS = (
     "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "socketpair",  # AF_UNIX only (socket is filtered by domain below)
     "acct", "swapon", "swapoff", "reboot", "sethostname", "setdomainname", "iopl", "ioperm",
     "quotactl", "quotactl_fd", "lookup_dcookie", "personality", "syslog", "vhangup", "uselib", "ustat",
     "sysfs", "_sysctl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
