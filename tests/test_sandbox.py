@@ -287,6 +287,18 @@ def test_degrades_without_namespaces(monkeypatch):
     assert code_reward(_completion(SQUARE), _reference(TESTS[:1])) in (0.0, 1.0)
 
 
+def test_code_reward_warm_up_finds_the_host_setup_before_any_item():
+    # The set-up (file list, filters, probe run: ~0.2 s) fell inside the first item's timeout in each worker.
+    probe = (
+        "import jaxrl.rewards.sandbox as s, jaxrl.rewards.sandbox_host as h\n"
+        "assert not h._host_setups\n"
+        "s.code_reward.warm_up()\n"
+        "print(list(h._host_setups) == [s._base_interpreter()])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout == "True\n", out.stderr
+
+
 def test_removing_a_sandbox_dir_never_changes_its_parents_mode(tmp_path):
     # rmtree's error hook made the failed path's parent 0700: for a dir already gone (a concurrent sweep of
     # orphaned dirs), that parent is the shared temp dir, and /tmp became 0700 for every user.
