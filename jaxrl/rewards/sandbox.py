@@ -83,13 +83,16 @@ without capabilities, so it cannot unmount what hides the host, see
   (``CodeResult.network_isolated`` / ``run_program``'s status reflects whether
   this actually happened; when not permitted, the program simply runs with the
   host network);
-* mount: ``/`` is made private, fresh size-limited tmpfs are mounted over the
-  world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock``, the
-  run's own dir is a tmpfs too (at the sandbox dir's path, holding copies of its
-  files, capped at max(16, 4 x ``file_size_mb``) MB more: RLIMIT_FSIZE bounds one
-  file, this bounds them all, so no run can fill the host disk), and, with a PID namespace,
-  a fresh ``/proc`` is mounted so host processes (and their ``environ``) are
-  invisible. Writes to those dirs vanish with the namespace;
+* mount: the program runs in a minimal read-only root (``pivot_root``; see ``sandbox_child``) holding
+  only the base interpreter, its standard library and the shared objects it loads, a ``/dev`` with
+  null, zero, random and urandom, a fresh ``/proc`` (with a PID namespace), size-limited tmpfs
+  ``/tmp`` and ``/dev/shm``, and the run's own dir, a tmpfs too (holding copies of its files, capped at
+  max(16, 4 x ``file_size_mb``) MB more: RLIMIT_FSIZE bounds one file, this bounds them all, so no run
+  can fill the host disk). No host ``/etc``, ``/run``, ``/home``, ``/root`` or checkout is there, so
+  host files and host Unix sockets cannot be named. Writes vanish with the namespace;
+* seccomp (every run, ``sandbox_host.seccomp_filter``, compiled by libseccomp): EPERM for every
+  socket domain but IPv4/IPv6 (named and abstract Unix sockets, netlink, ...), keyrings, ``ptrace`` and
+  other processes' memory, mounts and namespaces, ``bpf``, ``io_uring`` and other kernel machinery;
 * PID: the program runs under a tiny init process; when the run ends the
   namespace is torn down, so even children that ``setsid()`` away from the
   process group die;
@@ -132,16 +135,18 @@ Known gaps (honest list):
   which also hides the rest of it (``~root``). Without a mount namespace this
   is impossible and every run as root ends in ``"sandbox_error"``: use a
   world-readable Python there.
-* As "nobody" the program can still *read* world-readable files (e.g. the
-  repository source, ``/etc/passwd``) and use CPU/memory up to the limits.
+* Without a mount namespace (or where the root cannot be built, which the first run in a process logs
+  once, see ``sandbox_host.host_setup``) there is no minimal root: the program can read world-readable
+  host files (e.g. the repository source, ``/etc/passwd``). A root that was asked for but cannot be
+  built fails the run (``"sandbox_error"``); it never silently runs on the host's files. The read-only
+  binds' host paths can be read in ``/proc/self/mountinfo``.
 * All concurrent sandboxes share uid 65534, so RLIMIT_NPROC is shared: a fork
   bomb in one (IO) run can make a concurrent run fail to start (it scores 0).
-* The only seccomp filter is the one against new processes in assert tests;
-  otherwise the kernel's syscall surface is fully exposed. That filter exists
-  for x86_64 and aarch64 only, and needs ``PR_SET_NO_NEW_PRIVS`` and seccomp
-  filters (Linux >= 3.5). Where it is missing a forked child of an assert test
-  could also answer requests; it learns no more than its parent (see the threat
-  model above).
+* The seccomp filters exist for x86_64 and aarch64 only, and need libseccomp (``libseccomp2``),
+  ``PR_SET_NO_NEW_PRIVS`` and seccomp filters (Linux >= 3.5); where they are missing the first run in
+  a process logs it once and runs go on without them (the namespaces and the root still apply). A
+  forked child of an assert test could then also answer requests; it learns no more than its parent
+  (see the threat model above).
 * The parent-death signal fires when the calling *thread* exits, so do not
   call this from a thread that may end before the run does.
 * Checker-side code runs in the caller's process (in training a ``RewardPool`` worker, which the
