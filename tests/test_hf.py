@@ -129,7 +129,7 @@ def test_rope_scaling_overrides_rope_parameters():
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters type 'yarn'"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling of type linear lacks 'factor'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "missing key 'rope_scaling.factor'"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "relu"}, "hidden_act='relu'"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
