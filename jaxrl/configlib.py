@@ -44,7 +44,6 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
@@ -66,8 +65,32 @@ class _PlainStr(str):
     """A string from an unquoted YAML scalar or an override: may be read as a float."""
 
 
+# Limits of a config document. Aliases make a small file describe a huge tree (the "billion laughs": ten
+# aliases of ten aliases of ... is 10^9 nodes in under 1 kB), and every consumer (sections, construction, error
+# messages) walks the tree with aliases expanded; nesting exhausts Python's stack. A recipe has a few hundred
+# nodes and nests 5 levels.
+_MAX_NODES = 100_000  # nodes of the document with every alias expanded
+_MAX_DEPTH = 32  # nesting, with aliases expanded
+_MAX_BYTES = 16 * 2**20  # of a config file
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that marks strings coming from plain (unquoted) scalars."""
+    """SafeLoader that marks strings coming from plain (unquoted) scalars and refuses nesting deeper than
+    `_MAX_DEPTH` while composing (PyYAML's composer recurses once per level)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > _MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_MAX_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
@@ -185,13 +208,15 @@ def replace_path(config: T, dotted: str, value) -> T:
 
 def _read_yaml(path: str | os.PathLike) -> _Section:
     """Parse a YAML file into a raw section tree that remembers each key's line."""
+    from models.safe_read import read_regular  # lazy: `models` imports jax
+
     name = str(path)
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path, _MAX_BYTES, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"{name}: config file not found") from None
     except OSError as e:
-        raise ConfigError(f"{name}: cannot read config file: {e}") from None
+        raise ConfigError(f"{name}: cannot read config file: {e.strerror or e}") from None
     try:
         text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text mode
     except UnicodeDecodeError as e:
@@ -206,6 +231,7 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
         if not isinstance(node, yaml.MappingNode):
             raise ConfigError(f"{name}:{node.start_mark.line + 1}: the top level must be a "
                               f"mapping of 'field: value' pairs, got a {node.id}")
+        _check_size(node, name)
         return _section_from_node(node, loader, name, "", name, text)
     except yaml.MarkedYAMLError as e:
         mark, opened = e.problem_mark or e.context_mark, e.context_mark
@@ -223,17 +249,71 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
         loader.dispose()
 
 
+def _check_size(root: yaml.Node, name: str) -> None:
+    """Refuse a composed document (``name``: its file or override) whose tree, with every alias expanded, has
+    more than ``_MAX_NODES`` nodes, nests deeper than ``_MAX_DEPTH`` levels, or contains itself (``&a [*a]``).
+    Linear in the composed nodes: each shared node's expanded size is computed once (iteratively)."""
+    size: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+    open_nodes: set[int] = set()  # the current path from the root
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
+                    node.value if isinstance(node, yaml.SequenceNode) else [])
+        line = f"{name}:{node.start_mark.line + 1}"
+        if finished:
+            open_nodes.discard(id(node))
+            nodes = 1 + sum(size[id(c)][0] for c in children)
+            depth = 1 + max((size[id(c)][1] for c in children), default=0)
+            if nodes > _MAX_NODES:
+                raise ConfigError(f"{line}: YAML aliases expand this value to more than {_MAX_NODES:,} nodes (an "
+                                  "alias bomb?)")
+            if depth > _MAX_DEPTH:
+                raise ConfigError(f"{line}: invalid YAML: nested deeper than {_MAX_DEPTH} levels with aliases "
+                                  "expanded")
+            size[id(node)] = nodes, depth
+        elif id(node) not in size:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            for child in children:
+                if id(child) in open_nodes:
+                    raise ConfigError(f"{line}: invalid YAML: an alias refers to a value that contains it "
+                                      "(a recursive structure)")
+                if id(child) not in size:
+                    stack.append((child, False))
+
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str,
                        path: str, where: str, text: str) -> _Section:
-    """Convert a composed mapping node (``text``: the file's), rejecting duplicate keys and comment-cut values."""
+    """Convert a composed mapping node (``text``: the file's), rejecting duplicate keys and comment-cut values.
+
+    A merge key (``<<: *defaults`` or ``<<: [*a, *b]``) brings in the keys of the mapping(s) it names, as YAML
+    defines it: keys written in this mapping win, then the earlier of the merged mappings; the merge is shallow
+    (a section written here replaces the merged one)."""
     items: dict[str, _Value | _Section] = {}
     first_line: dict[str, int] = {}
+    merged: dict[str, _Value | _Section] = {}
     for key_node, value_node in node.value:
         line = key_node.start_mark.line + 1
         key_where = f"{file}:{line}"
         if not isinstance(key_node, yaml.ScalarNode):
             raise _error(key_where, path, "mapping keys must be plain field names")
         key = key_node.value
+        if key_node.tag == _MERGE:
+            if "<<" in first_line:
+                raise _error(key_where, path, f"duplicate merge key '<<' (first at line {first_line['<<']}); "
+                                              "merge several mappings with <<: [*a, *b]")
+            first_line["<<"] = line
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            if not sources or not all(isinstance(n, yaml.MappingNode) for n in sources):
+                raise _error(key_where, path, "a merge key '<<' takes a mapping or a list of mappings, e.g. "
+                                              "<<: *defaults")
+            for source in reversed(sources):
+                merged.update(_section_from_node(source, loader, file, path, key_where, text).items)
+            continue
         sub = _join(path, key)
         if key in first_line:
             raise _error(key_where, sub, f"duplicate key (first defined at line {first_line[key]})")
@@ -244,9 +324,9 @@ def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: st
             _reject_comment_as_value(key_node, value_node, text, key_where, sub)
             try:
                 items[key] = _Value(loader.construct_document(value_node), key_where)
-            except ValueError as e:  # e.g. an impossible timestamp
-                raise _error(key_where, sub, f"invalid value: {e}") from None
-    return _Section(items, where)
+            except ValueError as e:  # e.g. an impossible timestamp, an int beyond Python's 4300 digits
+                raise _error(key_where, sub, f"invalid value: {str(e).split(';')[0]}") from None
+    return _Section({**merged, **items}, where)
 
 
 _REST_OF_LINE = re.compile("[^\n\r\x85\u2028\u2029]*")  # YAML's line breaks
@@ -271,12 +351,19 @@ def _apply_override(tree: _Section, item: str) -> None:
     keys = [k.strip() for k in key.split(".")]
     if not sep or not all(keys):
         raise ConfigError(f"{where}: expected the form key=value, e.g. rl.optim.learning_rate=3e-4")
+    loader = _Loader(text)
     try:
-        value = yaml.load(text, Loader=_Loader)
-        node = yaml.compose(text, Loader=_Loader)
+        node = loader.get_single_node()
+        if node is not None:
+            _check_size(node, where)
+        value = None if node is None else loader.construct_document(node)
+    except ConfigError as e:  # _check_size's, which names `where` first
+        raise ConfigError(f"{where}: cannot parse value {_cut(text)!r}: {str(e)[len(where) + 2:]}") from None
     except (yaml.YAMLError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}; if it is text, quote the "
-                          f"value, e.g. \"{key}='{text}'\" in the shell") from None
+        raise ConfigError(f"{where}: cannot parse value {_cut(text)!r}: {_yaml_reason(e)}; if it is text, quote "
+                          f"the value, e.g. \"{key}='{_cut(text)}'\" in the shell") from None
+    finally:
+        loader.dispose()
     dropped = text[node.end_mark.index if node is not None else 0:].strip()
     if dropped:  # YAML reads `#` at the start or after a space as a comment: it would vanish silently
         raise ConfigError(f"{where}: YAML reads {dropped!r} as a comment and would drop it; quote the value, "
@@ -433,10 +520,14 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
 
 
 def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
-    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples); NaN is no value of any field."""
+    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples). NaN is no value of any field,
+    and a float is finite unless the bounds admit that infinity explicitly (``le=math.inf`` or
+    ``ge=-math.inf``: e.g. a gradient-norm limit where inf means no clipping)."""
     for v in value if isinstance(value, tuple) else (value,):
         if isinstance(v, float) and math.isnan(v):
             raise _error(where, path, "must be a number, got nan")
+        if isinstance(v, float) and math.isinf(v) and f.metadata.get("le" if v > 0 else "ge") != v:
+            raise _error(where, path, f"must be finite, got {v!r}")
     for key, (op, symbol) in _BOUNDS.items():
         if key not in f.metadata:
             continue
@@ -500,7 +591,12 @@ def _error(where: str, path: str, msg: str) -> ConfigError:
 
 
 def _show(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_cut(repr(value))} ({type(value).__name__})"
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text``, shortened to ``limit`` characters for a one-line message."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _join(path: str, key: str) -> str:
