@@ -22,12 +22,16 @@ the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
 string: unquoted scalars and override values that ``float()`` accepts are taken
 for float fields, NaN for none. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
-``ValueError``. A dataclass with a ``PRESETS`` class attribute (name -> mapping
+``ValueError``. A float is finite unless its bounds admit infinity explicitly (``le=math.inf``, or
+``ge=-math.inf`` for -inf). A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
 the section's explicitly set fields then apply on top, whatever their order. :func:`dump_yaml` writes
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
 defaults, give (:func:`to_dict` keeps every field),
 so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
+A config file must be a regular file of at most 16 MiB; its YAML may use anchors, aliases and merge keys
+(``<<: *defaults``), but no document (file or override value) may expand through its aliases to more than
+100,000 nodes or nest deeper than 32 levels (an alias bomb of a few hundred bytes describes 10^9 nodes).
 Every problem raises :class:`ConfigError`, whose message names
 the dotted field and, when known, ``file:line`` or the offending override, e.g.
 ``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
@@ -48,7 +52,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "dump_yaml", "replace_path"]
+__all__ = ["ConfigError", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml", "replace_path"]
 
 T = TypeVar("T")
 
@@ -206,8 +210,23 @@ def replace_path(config: T, dotted: str, value) -> T:
 # --------------------------------------------------------------------------- reading sources
 
 
-def _read_yaml(path: str | os.PathLike) -> _Section:
-    """Parse a YAML file into a raw section tree that remembers each key's line."""
+def load_yaml(path: str | os.PathLike) -> Any:
+    """The plain data (dicts, lists, scalars) of a YAML file, read with this module's scalars and limits (a
+    regular file, 16 MiB, aliases expanding to at most 100,000 nodes, 32 levels); ConfigError naming the file
+    and line. For files that are not one schema, e.g. a section of a run's config.yaml."""
+    def build(node, loader, name, text):
+        if node is None:
+            return None
+        try:
+            return loader.construct_document(node)
+        except ValueError as e:  # an impossible timestamp, an int beyond Python's 4300 digits, ...
+            raise ConfigError(f"{name}: invalid value: {str(e).split(';')[0]}") from None
+    return _read_yaml(path, build)
+
+
+def _read_yaml(path: str | os.PathLike, build=None):
+    """Parse a YAML file into a raw section tree that remembers each key's line (or ``build(node, loader,
+    name, text)`` of its composed, size-checked document)."""
     from models.safe_read import read_regular  # lazy: `models` imports jax
 
     name = str(path)
@@ -226,6 +245,10 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
+        if build is not None:
+            if node is not None:
+                _check_size(node, name)
+            return build(node, loader, name, text)
         if node is None:  # empty file: defaults only
             return _Section({}, name)
         if not isinstance(node, yaml.MappingNode):
