@@ -38,7 +38,7 @@ _DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return next((name for test, name in _KINDS if test(mode)), f"a file of mode {mode:#o}")
 
 
 def check_regular(path: str | os.PathLike, error: type[Exception] = ValueError) -> os.stat_result:
@@ -46,7 +46,7 @@ def check_regular(path: str | os.PathLike, error: type[Exception] = ValueError) 
     `FileNotFoundError` passes through."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{os.fspath(path)}: not a regular file ({_kind(st.st_mode)})")
+        raise error(f"{os.fspath(path)}: not a regular file but {_kind(st.st_mode)}")
     return st
 
 
@@ -58,7 +58,7 @@ def open_regular(path: str | os.PathLike, error: type[Exception] = ValueError) -
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{os.fspath(path)}: not a regular file ({_kind(mode)})")
+            raise error(f"{os.fspath(path)}: not a regular file but {_kind(mode)}")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

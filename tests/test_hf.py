@@ -433,3 +433,35 @@ def test_tied_checkpoint_with_a_different_stored_head_is_refused(qwen_copy):
     _rewrite(qwen_copy / "model.safetensors", reshape=("lm_head.weight", head[:-1]))  # another shape
     with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' differs"):
         models.from_pretrained(qwen_copy, progress=False)
+
+
+def test_json_depth_matches_the_parsed_structure():
+    """`models.safe_read.json_depth` counts brackets outside strings (no parse, no recursion); the reference is
+    the depth of what `json.loads` builds, on random documents whose strings are full of brackets, quotes and
+    escapes."""
+    import json
+    import random
+
+    from models.safe_read import json_depth
+
+    def depth(value):
+        if isinstance(value, (list, dict)):
+            children = value.values() if isinstance(value, dict) else value
+            return 1 + max((depth(v) for v in children), default=0)
+        return 0
+
+    rng = random.Random(0)
+    pieces = ['[', ']', '{', '}', '"', '\\', '\\"', 'a', ' ', '\n', 'é', '\\u005b']
+
+    def build(level):
+        kind = rng.random()
+        if level > 12 or kind < 0.3:
+            return rng.choice([1, -2.5, None, True, "".join(rng.choices(pieces, k=rng.randint(0, 8)))])
+        if kind < 0.65:
+            return [build(level + 1) for _ in range(rng.randint(0, 3))]
+        return {"".join(rng.choices(pieces, k=rng.randint(0, 5))): build(level + 1) for _ in range(rng.randint(0, 3))}
+
+    for _ in range(300):
+        doc = build(0)
+        for text in (json.dumps(doc), json.dumps(doc, indent=1, ensure_ascii=False)):
+            assert json_depth(text) == depth(json.loads(text)), text
