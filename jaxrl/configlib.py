@@ -272,10 +272,11 @@ def _read_yaml(path: str | os.PathLike, build=None):
         loader.dispose()
 
 
-def _check_size(root: yaml.Node, name: str) -> None:
-    """Refuse a composed document (``name``: its file or override) whose tree, with every alias expanded, has
-    more than ``_MAX_NODES`` nodes, nests deeper than ``_MAX_DEPTH`` levels, or contains itself (``&a [*a]``).
-    Linear in the composed nodes: each shared node's expanded size is computed once (iteratively)."""
+def _check_size(root: yaml.Node, name: str, lines: bool = True) -> None:
+    """Refuse a composed document (``name``: its file, with ``lines``; or an override) whose tree, with every
+    alias expanded, has more than ``_MAX_NODES`` nodes, nests deeper than ``_MAX_DEPTH`` levels, or contains
+    itself (``&a [*a]``). Linear in the composed nodes: each shared node's expanded size is computed once
+    (iteratively)."""
     size: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
     open_nodes: set[int] = set()  # the current path from the root
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
@@ -283,14 +284,14 @@ def _check_size(root: yaml.Node, name: str) -> None:
         node, finished = stack.pop()
         children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
                     node.value if isinstance(node, yaml.SequenceNode) else [])
-        line = f"{name}:{node.start_mark.line + 1}"
+        line = f"{name}:{node.start_mark.line + 1}" if lines else name
         if finished:
             open_nodes.discard(id(node))
             nodes = 1 + sum(size[id(c)][0] for c in children)
             depth = 1 + max((size[id(c)][1] for c in children), default=0)
             if nodes > _MAX_NODES:
-                raise ConfigError(f"{line}: YAML aliases expand this value to more than {_MAX_NODES:,} nodes (an "
-                                  "alias bomb?)")
+                raise ConfigError(f"{line}: this value has more than {_MAX_NODES:,} nodes with its YAML aliases "
+                                  "expanded (an alias bomb?)")
             if depth > _MAX_DEPTH:
                 raise ConfigError(f"{line}: invalid YAML: nested deeper than {_MAX_DEPTH} levels with aliases "
                                   "expanded")
@@ -369,7 +370,7 @@ def _reject_comment_as_value(key_node: yaml.Node, value_node: yaml.Node, text: s
 
 def _apply_override(tree: _Section, item: str) -> None:
     """Apply one ``a.b.c=value`` override (value parsed as YAML) to the raw tree."""
-    where = f"override {item!r}"
+    where = f"override {_cut(item)!r}"
     key, sep, text = item.partition("=")
     keys = [k.strip() for k in key.split(".")]
     if not sep or not all(keys):
@@ -378,7 +379,7 @@ def _apply_override(tree: _Section, item: str) -> None:
     try:
         node = loader.get_single_node()
         if node is not None:
-            _check_size(node, where)
+            _check_size(node, where, lines=False)
         value = None if node is None else loader.construct_document(node)
     except ConfigError as e:  # _check_size's, which names `where` first
         raise ConfigError(f"{where}: cannot parse value {_cut(text)!r}: {str(e)[len(where) + 2:]}") from None
