@@ -300,7 +300,8 @@ def test_malformed_safetensors_metadata_is_refused(tmp_path, metadata):
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false' (str)"),
     ({"hidden_act": ["silu"]}, "hidden_act must be a string, got ['silu'] (list)"),
     ({"use_sliding_window": True, "sliding_window": "4"}, "sliding_window must be an integer, got '4' (str)"),
-    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": [1, 2]}, "layer_types must list 2 of"),
+    ({"use_sliding_window": True, "sliding_window": 4, "layer_types": [["sliding_attention"], "full_attention"]},
+     "layer_types must list 2 of"),
     ({"model_type": ["qwen2"]}, "model_type must be a string, got ['qwen2'] (list)"),
 ], ids=lambda v: None if isinstance(v, str) else "-".join(map(str, v)))
 def test_mistyped_config_json_names_the_key(tmp_path, changes, fragment):
