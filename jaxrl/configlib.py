@@ -23,7 +23,7 @@ string: unquoted scalars and override values that ``float()`` accepts are taken
 for float fields, NaN for none. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
 ``ValueError``. A float is finite unless its bounds admit infinity explicitly (``le=math.inf``, or
-``ge=-math.inf`` for -inf). A dataclass with a ``PRESETS`` class attribute (name -> mapping
+``ge=-math.inf`` for -inf), and an int fits in 64 bits. A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
 the section's explicitly set fields then apply on top, whatever their order. :func:`dump_yaml` writes
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
@@ -533,8 +533,13 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int), value
     if tp is float:
-        if isinstance(value, (int, float)):
-            return True, float(value)
+        if isinstance(value, float):
+            return True, value
+        if isinstance(value, int):
+            try:
+                return True, float(value)
+            except OverflowError:  # beyond float's range (1e309 written as digits): an infinity, refused as such
+                return True, math.inf if value > 0 else -math.inf
         if isinstance(value, str) and lenient:  # YAML 1.1 reads plain 1e-3 as a string
             try:
                 return True, float(value)
@@ -552,6 +557,8 @@ def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
             raise _error(where, path, "must be a number, got nan")
         if isinstance(v, float) and math.isinf(v) and f.metadata.get("le" if v > 0 else "ge") != v:
             raise _error(where, path, f"must be finite, got {v!r}")
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise _error(where, path, f"must fit in 64 bits, got {_cut(str(v), 40)}")
     for key, (op, symbol) in _BOUNDS.items():
         if key not in f.metadata:
             continue

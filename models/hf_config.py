@@ -47,7 +47,7 @@ class ConfigError(ValueError):
 
 
 _REQUIRED = object()
-_TYPE_NAMES = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string",
+_TYPE_NAMES = {int: "an integer of at most 64 bits", float: "a finite number", bool: "true or false", str: "a string",
                dict: "an object", list: "a list"}
 
 
@@ -75,8 +75,13 @@ class _Keys:
                 raise ConfigError(f"{self.source}: missing key {self.prefix + key!r}")
             return default
         ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+        if kind is int and ok:
+            ok = -2**63 <= value < 2**63
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            ok, value = math.isfinite(value), float(value)
+            try:
+                ok, value = math.isfinite(float(value)), float(value)
+            except OverflowError:  # an integer beyond float's range
+                ok = False
         if ok and positive and not value > 0:
             raise ConfigError(f"{self.source}: {self.prefix + key} must be > 0, got {value!r}")
         if not ok:

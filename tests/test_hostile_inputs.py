@@ -139,6 +139,17 @@ def test_deep_yaml_is_a_one_line_error(tmp_path, text, fragment):
         load_config(Config, path)
 
 
+@pytest.mark.parametrize("override, fragment", [
+    ("rl.optim.learning_rate=" + "9" * 400, "rl.optim.learning_rate: must be finite, got inf"),
+    ("rl.optim.learning_rate=1e400", "rl.optim.learning_rate: must be finite, got inf"),
+    ("model.hidden_size=" + "9" * 30, "model.hidden_size: must fit in 64 bits, got 999"),
+], ids=["float-400-digits", "float-1e400", "int-30-digits"])
+def test_numbers_beyond_float_or_64_bits_are_refused(override, fragment):
+    """A 400-digit number for a float field crashed with OverflowError; an int beyond 64 bits was accepted."""
+    with _refused_fast(ConfigError, fragment):
+        load_config(Config, "configs/default.yaml", [override])
+
+
 def test_infinite_learning_rate_is_refused(tmp_path):
     """`rl.optim.learning_rate=.inf` was accepted: the first update made every parameter non-finite."""
     with _refused_fast(ConfigError, "rl.optim.learning_rate: must be finite, got inf"):
@@ -171,6 +182,15 @@ def test_5000_digit_integer_row_names_file_and_line(tmp_path):
     path.write_text(GOOD_ROW + "\n" + '{"question": "q", "answer": ' + "9" * 5000 + "}\n")
     with _refused_fast(DataError, f"{path}:2: invalid JSON (Exceeds the limit (4300 digits)"):
         load_prompts(path)
+
+
+def test_400_digit_integer_reference_is_a_reference(tmp_path):
+    """Below Python's digit limit, a huge integer reference crashed the finiteness check (OverflowError)."""
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"question": "q", "answer": ' + "9" * 400 + "}\n")
+    with _deadline(10.0):
+        records, _ = load_prompts(path)
+    assert records[0].reference == "9" * 400
 
 
 def test_fifo_prompt_file_is_refused(tmp_path):
@@ -288,21 +308,23 @@ def test_malformed_safetensors_metadata_is_refused(tmp_path, metadata):
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"num_hidden_layers": "32"}, "num_hidden_layers must be an integer, got '32' (str)"),
-    ({"num_hidden_layers": [2]}, "num_hidden_layers must be an integer, got [2] (list)"),
-    ({"vocab_size": 96.5}, "vocab_size must be an integer, got 96.5 (float)"),
+    ({"num_hidden_layers": "32"}, "num_hidden_layers must be an integer of at most 64 bits, got '32' (str)"),
+    ({"num_hidden_layers": [2]}, "num_hidden_layers must be an integer of at most 64 bits, got [2] (list)"),
+    ({"vocab_size": 96.5}, "vocab_size must be an integer of at most 64 bits, got 96.5 (float)"),
     ({"intermediate_size": 0}, "intermediate_size must be > 0, got 0"),
-    ({"hidden_size": True}, "hidden_size must be an integer, got True (bool)"),
+    ({"hidden_size": True}, "hidden_size must be an integer of at most 64 bits, got True (bool)"),
     ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a finite number, got '1e-6' (str)"),
     ({"rope_theta": math.inf}, "rope_theta must be a finite number, got inf (float)"),
     ({"rope_scaling": [1]}, "rope_scaling must be an object, got [1] (list)"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling.factor must be a finite number"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false' (str)"),
     ({"hidden_act": ["silu"]}, "hidden_act must be a string, got ['silu'] (list)"),
-    ({"use_sliding_window": True, "sliding_window": "4"}, "sliding_window must be an integer, got '4' (str)"),
+    ({"use_sliding_window": True, "sliding_window": "4"}, "sliding_window must be an integer of at most 64 bits, got '4' (str)"),
     ({"use_sliding_window": True, "sliding_window": 4, "layer_types": [["sliding_attention"], "full_attention"]},
      "layer_types must list 2 of"),
     ({"model_type": ["qwen2"]}, "model_type must be a string, got ['qwen2'] (list)"),
+    ({"rope_theta": 10**400}, "rope_theta must be a finite number, got 1000000000"),
+    ({"vocab_size": 2**64}, "vocab_size must be an integer of at most 64 bits, got 18446744073709551616 (int)"),
 ], ids=lambda v: None if isinstance(v, str) else "-".join(map(str, v)))
 def test_mistyped_config_json_names_the_key(tmp_path, changes, fragment):
     """Wrong types raised TypeError/AttributeError tracebacks deep in the model code, or were silently taken
@@ -317,7 +339,7 @@ def test_mistyped_config_json_stops_jaxrl_convert_with_one_line(tmp_path, capsys
     directory = _hf_copy(tmp_path)
     _edit_json(directory / "config.json", num_hidden_layers="32")
     _one_line_exit_2(capsys, ["convert", str(directory), str(tmp_path / "out")], "convert error",
-                     "config.json: num_hidden_layers must be an integer, got '32' (str)")
+                     "config.json: num_hidden_layers must be an integer of at most 64 bits, got '32' (str)")
 
 
 def test_config_json_that_is_not_an_object_is_named(tmp_path):

@@ -172,7 +172,7 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
     elif isinstance(raw, (list, dict)):
         reference = json.dumps({"tests": _code_tests(raw, fields.reference)})
     elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        if not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
+        if isinstance(raw, float) and not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
             raise _BadRow(f"field {fields.reference!r} is {raw!r}, not a finite number")
         reference = json.dumps(raw)
     else:
