@@ -465,3 +465,19 @@ def test_json_depth_matches_the_parsed_structure():
         doc = build(0)
         for text in (json.dumps(doc), json.dumps(doc, indent=1, ensure_ascii=False)):
             assert json_depth(text) == depth(json.loads(text)), text
+
+
+def test_symlinked_files_still_load(tmp_path):
+    """HF's cache keeps each file as a symlink into blobs/: the regular-file check follows symlinks (only what
+    they point to must be a regular file)."""
+    source = fixture("transformers4", "llama3")
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for n, name in enumerate(sorted(os.listdir(source))):
+        shutil.copyfile(os.path.join(source, name), blobs / f"blob{n}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob{n}"), snapshot / name)
+    loaded = models.from_pretrained(snapshot, progress=False)
+    reference = models.from_pretrained(source, progress=False)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(reference.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
