@@ -29,7 +29,7 @@ the section's explicitly set fields then apply on top, whatever their order. :fu
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
 defaults, give (:func:`to_dict` keeps every field),
 so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
-A config file must be a regular file of at most 16 MiB; its YAML may use anchors, aliases and merge keys
+A config file must be a regular file of at most 1 MiB; its YAML may use anchors, aliases and merge keys
 (``<<: *defaults``), but no document (file or override value) may expand through its aliases to more than
 100,000 nodes or nest deeper than 32 levels (an alias bomb of a few hundred bytes describes 10^9 nodes).
 Every problem raises :class:`ConfigError`, whose message names
@@ -75,7 +75,7 @@ class _PlainStr(str):
 # nodes and nests 5 levels.
 _MAX_NODES = 100_000  # nodes of the document with every alias expanded
 _MAX_DEPTH = 32  # nesting, with aliases expanded
-_MAX_BYTES = 16 * 2**20  # of a config file
+_MAX_BYTES = 2**20  # of a config file (a recipe is a few kB, and PyYAML is pure Python)
 
 
 class _Loader(yaml.SafeLoader):
@@ -212,7 +212,7 @@ def replace_path(config: T, dotted: str, value) -> T:
 
 def load_yaml(path: str | os.PathLike) -> Any:
     """The plain data (dicts, lists, scalars) of a YAML file, read with this module's scalars and limits (a
-    regular file, 16 MiB, aliases expanding to at most 100,000 nodes, 32 levels); ConfigError naming the file
+    regular file, 1 MiB, aliases expanding to at most 100,000 nodes, 32 levels); ConfigError naming the file
     and line. For files that are not one schema, e.g. a section of a run's config.yaml."""
     def build(node, loader, name, text):
         if node is None:

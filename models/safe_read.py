@@ -32,7 +32,9 @@ MAX_JSON_DEPTH = 64  # HF files nest a few levels (tokenizer.json ~6); serde_jso
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string (its brackets are not structure)
+# A JSON string (its brackets are not structure). An unterminated one runs to the end of the text: a match that
+# could fail after its opening quote would be retried from every later quote (quadratic on '"\\"\\"\\"...').
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
 

@@ -539,3 +539,16 @@ def test_anchors_aliases_and_merge_keys(tmp_path):
     raises(lambda: load_config(Root, path), f"{path}:2: unknown field 'learning_rate' in model")
     path = write(tmp_path, "optim:\n  <<: 3\n")
     raises(lambda: load_config(Root, path), f"{path}:2: optim: a merge key '<<' takes a mapping")
+
+
+def test_config_files_have_limits(tmp_path):
+    """Only a regular file of at most 1 MiB is read as a config (a FIFO blocked the read forever; /dev/zero
+    never ended)."""
+    import os
+
+    big = write(tmp_path, "seed: 1\n" + "# padding\n" * 110_000, "big.yaml")
+    raises(lambda: load_config(Root, big), f"{big}: larger than 1,048,576 bytes")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    raises(lambda: load_config(Root, fifo), f"{fifo}: not a regular file but a FIFO")
+    raises(lambda: load_config(Root, tmp_path), f"{tmp_path}: not a regular file but a directory")
