@@ -29,9 +29,9 @@ the section's explicitly set fields then apply on top, whatever their order. :fu
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
 defaults, give (:func:`to_dict` keeps every field),
 so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
-A config file must be a regular file of at most 1 MiB; its YAML may use anchors, aliases and merge keys
-(``<<: *defaults``), but no document (file or override value) may expand through its aliases to more than
-100,000 nodes or nest deeper than 32 levels (an alias bomb of a few hundred bytes describes 10^9 nodes).
+A config file must be a regular file of at most 256 KiB; its YAML may use anchors, aliases and merge keys
+(``<<: *defaults``), but no document (file or override value) may hold or expand through its aliases to more
+than 20,000 nodes or nest deeper than 32 levels (an alias bomb of a few hundred bytes describes 10^9 nodes).
 Every problem raises :class:`ConfigError`, whose message names
 the dotted field and, when known, ``file:line`` or the offending override, e.g.
 ``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
@@ -73,9 +73,9 @@ class _PlainStr(str):
 # aliases of ten aliases of ... is 10^9 nodes in under 1 kB), and every consumer (sections, construction, error
 # messages) walks the tree with aliases expanded; nesting exhausts Python's stack. A recipe has a few hundred
 # nodes and nests 5 levels.
-_MAX_NODES = 100_000  # nodes of the document with every alias expanded
+_MAX_NODES = 20_000  # nodes of the document, written or with every alias expanded
 _MAX_DEPTH = 32  # nesting, with aliases expanded
-_MAX_BYTES = 2**20  # of a config file (a recipe is a few kB, and PyYAML is pure Python)
+_MAX_BYTES = 256 * 2**10  # of a config file (a recipe is a few kB, and PyYAML is pure Python)
 
 
 class _Loader(yaml.SafeLoader):
@@ -84,14 +84,16 @@ class _Loader(yaml.SafeLoader):
 
     def __init__(self, stream):
         super().__init__(stream)
-        self._depth = 0
+        self._depth = self._nodes = 0
 
     def compose_node(self, parent, index):
         self._depth += 1
+        self._nodes += 1
         try:
-            if self._depth > _MAX_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_MAX_DEPTH} levels",
-                                                  self.peek_event().start_mark)
+            if self._depth > _MAX_DEPTH or self._nodes > _MAX_NODES:
+                problem = (f"nested deeper than {_MAX_DEPTH} levels" if self._depth > _MAX_DEPTH else
+                           f"more than {_MAX_NODES:,} values")
+                raise yaml.composer.ComposerError(None, None, problem, self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -212,7 +214,7 @@ def replace_path(config: T, dotted: str, value) -> T:
 
 def load_yaml(path: str | os.PathLike) -> Any:
     """The plain data (dicts, lists, scalars) of a YAML file, read with this module's scalars and limits (a
-    regular file, 1 MiB, aliases expanding to at most 100,000 nodes, 32 levels); ConfigError naming the file
+    regular file, 256 KiB, at most 20,000 nodes with aliases expanded, 32 levels); ConfigError naming the file
     and line. For files that are not one schema, e.g. a section of a run's config.yaml."""
     def build(node, loader, name, text):
         if node is None:

@@ -542,13 +542,16 @@ def test_anchors_aliases_and_merge_keys(tmp_path):
 
 
 def test_config_files_have_limits(tmp_path):
-    """Only a regular file of at most 1 MiB is read as a config (a FIFO blocked the read forever; /dev/zero
+    """Only a regular file of at most 256 KiB is read as a config (a FIFO blocked the read forever; /dev/zero
     never ended)."""
     import os
 
-    big = write(tmp_path, "seed: 1\n" + "# padding\n" * 110_000, "big.yaml")
-    raises(lambda: load_config(Root, big), f"{big}: larger than 1,048,576 bytes")
+    big = write(tmp_path, "seed: 1\n" + "# padding\n" * 30_000, "big.yaml")
+    raises(lambda: load_config(Root, big), f"{big}: larger than 262,144 bytes")
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
     raises(lambda: load_config(Root, fifo), f"{fifo}: not a regular file but a FIFO")
     raises(lambda: load_config(Root, tmp_path), f"{tmp_path}: not a regular file but a directory")
+    # PyYAML is pure Python: a document is refused once it holds 20,000 values, not after parsing all of it.
+    flat = write(tmp_path, "model:\n  dims: [" + "1, " * 80_000 + "1]\n", "flat.yaml")
+    raises(lambda: load_config(Root, flat), f"{flat}:2: invalid YAML: more than 20,000 values")

@@ -271,7 +271,7 @@ def test_hostile_run_and_policy_files_stop_convert_with_one_line(tmp_path, capsy
     make_run(run, "qwen2")
     bomb = "model:\n  layer_types:\n  - &l0 [a, a, a, a, a, a, a, a, a]\n" + "".join(
         f"  - &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 7))
-    for text, fragment in ((bomb, "config.yaml:8: this value has more than 100,000 nodes with its YAML aliases"),
+    for text, fragment in ((bomb, "config.yaml:7: this value has more than 20,000 nodes with its YAML aliases"),
                            ("model:\n  layer_types: " + "[" * 10_000 + "]" * 10_000 + "\n",
                             "config.yaml:2: invalid YAML: nested deeper than 32 levels")):
         (run / "config.yaml").write_text(text)
