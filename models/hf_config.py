@@ -163,6 +163,10 @@ def from_hf(raw: dict[str, Any], source: str = "config.json", *, dtype: str | No
         dtype=dtype or param_dtype,
         param_dtype=param_dtype,
     )
+    for f in dataclasses.fields(config):  # values derived from others (head_dim = hidden // heads) too
+        value = getattr(config, f.name)
+        if "gt" in f.metadata and isinstance(value, (int, float)) and not value > f.metadata["gt"]:
+            raise ConfigError(f"{source}: the model's {f.name} must be > {f.metadata['gt']}, got {value!r}")
     try:
         config.validate()
     except ValueError as e:

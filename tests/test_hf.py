@@ -134,6 +134,8 @@ def test_rope_scaling_overrides_rope_parameters():
     ({"hidden_act": "relu"}, "hidden_act='relu'"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
     ({"hidden_size": None}, "missing key 'hidden_size'"),
+    ({"hidden_size": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": None},
+     "the model's head_dim must be > 0, got 0"),  # derived: hidden_size // num_attention_heads
 ])
 def test_unsupported_configs_are_named(change, match):
     with pytest.raises(hf_config.ConfigError, match=match) as info:
