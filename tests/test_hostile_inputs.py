@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import struct
 import time
 
@@ -203,18 +204,28 @@ def test_fifo_prompt_file_is_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------- HF directories
 
 
-def _plant(path, kind: str) -> None:
-    """Replace the file at `path` by a `kind` of non-regular file."""
+def _plant(path, kind: str) -> socket.socket | None:
+    """Replace the file at `path` by a `kind` of non-regular file (returns the socket to close, for one)."""
     os.remove(path)
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "directory":
         os.mkdir(path)
+    elif kind == "socket":  # bound by a relative name: a Unix socket path has at most 107 bytes
+        sock = socket.socket(socket.AF_UNIX)
+        cwd = os.getcwd()
+        os.chdir(path.parent)
+        try:
+            sock.bind(path.name)
+        finally:
+            os.chdir(cwd)
+        return sock
     else:  # a character device, through a symlink (as HF's cache links its files)
         os.symlink("/dev/zero", path)
+    return None
 
 
-KINDS = {"fifo": "a FIFO", "directory": "a directory", "device": "a character device"}
+KINDS = {"fifo": "a FIFO", "directory": "a directory", "device": "a character device", "socket": "a socket"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -225,9 +236,11 @@ KINDS = {"fifo": "a FIFO", "directory": "a directory", "device": "a character de
 def test_non_regular_hf_file_is_refused_in_under_a_second(tmp_path, kind, name, source):
     """A FIFO named model.safetensors (or config.json, the index, a shard) hung from_pretrained forever."""
     directory = _hf_copy(tmp_path, source)
-    _plant(directory / name, kind)
+    sock = _plant(directory / name, kind)
     with _refused_fast(CheckpointError, f"{directory / name}: not a regular file but {KINDS[kind]}"):
         from_pretrained(directory, progress=False)
+    if sock is not None:
+        sock.close()
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
