@@ -24,11 +24,11 @@ import sys
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_regular", "json_depth", "loads_json", "open_regular", "read_json_file",
-           "read_regular"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "check_regular", "json_depth", "loads_json", "open_regular",
+           "read_json_file", "read_regular"]
 
 MAX_JSON_BYTES = 64 * 2**20  # config.json, index, tokenizer_config.json, ...: kilobytes in practice
-MAX_JSON_DEPTH = 64  # HF files nest a few levels (tokenizer.json ~6); serde_json's own limit is 128
+MAX_JSON_DEPTH = 64  # HF files nest a few levels; serde_json (the tokenizers library) stops at 128
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -56,7 +56,7 @@ def open_regular(path: str | os.PathLike, error: type[Exception] = ValueError) -
     """The regular file at `path` opened for binary reading; `error` for a FIFO, device, socket or directory,
     checked before opening and again on the open descriptor (no race with a file swapped in between)."""
     check_regular(path, error)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
