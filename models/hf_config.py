@@ -38,6 +38,7 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
 }
+_MAX_LAYERS = 1024  # the largest released decoders have under 200
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -66,9 +67,10 @@ class _Keys:
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
 
-    def get(self, key: str, kind: type, default: Any = None, *, positive: bool = False) -> Any:
+    def get(self, key: str, kind: type, default: Any = None, *, positive: bool = False,
+            most: int | None = None) -> Any:
         """`raw[key]` checked to be of `kind` (int, float, bool, str, dict or list; float accepts integers and
-        returns a float), `default` when absent or null; `positive`: a number must be > 0."""
+        returns a float), `default` when absent or null; `positive`: a number must be > 0; `most`: at most."""
         value = self.raw.get(key)
         if value is None:
             if default is _REQUIRED:
@@ -84,6 +86,8 @@ class _Keys:
                 ok = False
         if ok and positive and not value > 0:
             raise ConfigError(f"{self.source}: {self.prefix + key} must be > 0, got {value!r}")
+        if ok and most is not None and value > most:
+            raise ConfigError(f"{self.source}: {self.prefix + key} must be at most {most}, got {value!r}")
         if not ok:
             raise ConfigError(f"{self.source}: {self.prefix + key} must be {_TYPE_NAMES[kind]}, got {_show(value)}")
         return value
@@ -130,7 +134,8 @@ def from_hf(raw: dict[str, Any], source: str = "config.json", *, dtype: str | No
         return keys.get(key, int, default, positive=True)
 
     hidden, heads = count("hidden_size"), count("num_attention_heads")
-    num_layers = count("num_hidden_layers")
+    # Layers are built one by one (and listed in layer_types): a billion would hang before any header check.
+    num_layers = keys.get("num_hidden_layers", int, _REQUIRED, positive=True, most=_MAX_LAYERS)
     theta, scaling, local_theta = _rope(keys, family)
     window, layer_types = _sliding_layers(keys, family, num_layers)
     stored = _DTYPES.get(keys.get("dtype", str, None) or keys.get("torch_dtype", str, "float32"), "float32")

@@ -338,6 +338,7 @@ def test_malformed_safetensors_metadata_is_refused(tmp_path, metadata):
      "layer_types must list 2 of"),
     ({"model_type": ["qwen2"]}, "model_type must be a string, got ['qwen2'] (list)"),
     ({"rope_theta": 10**400}, "rope_theta must be a finite number, got 1000000000"),
+    ({"num_hidden_layers": 10**6}, "num_hidden_layers must be at most 1024, got 1000000"),
     ({"vocab_size": 2**64}, "vocab_size must be an integer of at most 64 bits, got 18446744073709551616 (int)"),
 ], ids=lambda v: None if isinstance(v, str) else "-".join(map(str, v)))
 def test_mistyped_config_json_names_the_key(tmp_path, changes, fragment):
