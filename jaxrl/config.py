@@ -18,6 +18,8 @@ from models.configs import ModelConfig
 
 
 def _field(default, **constraints):
+    """A field with bounds (`gt`, `ge`, `lt`, `le`), checked by `configlib`. Every float field must be finite
+    unless its bounds admit infinity (`le=math.inf`): only `OptimConfig.max_grad_norm` does."""
     return dataclasses.field(default=default, metadata=constraints)
 
 
@@ -60,7 +62,7 @@ class OptimConfig:
     weight_decay: float = _field(0.0, ge=0)
     b1: float = _field(0.9, ge=0, lt=1)
     b2: float = _field(0.99, ge=0, lt=1)
-    max_grad_norm: float = _field(1.0, gt=0)
+    max_grad_norm: float = _field(1.0, gt=0, le=math.inf)  # inf: no clipping (the one float field that may be inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,19 +152,19 @@ class RewardConfig:
     num_workers: int = _field(2, ge=1)
     # Per completion; a stuck worker is killed and replaced. For `code`, all of a problem's test runs share it
     # (each ~20-50 ms to start, at most 5 s): runs that no longer fit score as failed, with a logged warning.
-    timeout_s: float = _field(2.0, gt=0, lt=math.inf)
+    timeout_s: float = _field(2.0, gt=0)
     # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
     # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
-    batch_timeout_s: float | None = _field(None, gt=0, lt=math.inf)
+    batch_timeout_s: float | None = _field(None, gt=0)
     # Shaping, composed with the verifiable reward ("correct", weight 1) by jaxrl.rewards.compose; each
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
-    format_weight: float = _field(0.0, ge=0, lt=math.inf)  # weight of format_reward (0: off)
+    format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
     format_pattern: Literal["think_answer", "answer"] = "think_answer"
     # DAPO soft overlong punishment: the last `overlong_buffer` tokens before rl.sampling.max_new_tokens.
     overlong_buffer: int | None = _field(None, gt=0)  # None: off
-    overlong_weight: float = _field(1.0, ge=0, lt=math.inf)
+    overlong_weight: float = _field(1.0, ge=0)
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
-    length_penalty_coef: float = _field(0.0, ge=0, lt=math.inf)
+    length_penalty_coef: float = _field(0.0, ge=0)
 
     def component_weights(self) -> dict[str, float]:
         """Name -> weight of every active reward component."""

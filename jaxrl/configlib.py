@@ -22,12 +22,16 @@ the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
 string: unquoted scalars and override values that ``float()`` accepts are taken
 for float fields, NaN for none. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
 and cross-field checks from an optional ``validate(self)`` method raising
-``ValueError``. A dataclass with a ``PRESETS`` class attribute (name -> mapping
+``ValueError``. A float is finite unless its bounds admit infinity explicitly (``le=math.inf``, or
+``ge=-math.inf`` for -inf), and an int fits in 64 bits. A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
 the section's explicitly set fields then apply on top, whatever their order. :func:`dump_yaml` writes
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
 defaults, give (:func:`to_dict` keeps every field),
 so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
+A config file must be a regular file of at most 256 KiB; its YAML may use anchors, aliases and merge keys
+(``<<: *defaults``), but no document (file or override value) may hold or expand through its aliases to more
+than 20,000 nodes or nest deeper than 32 levels (an alias bomb of a few hundred bytes describes 10^9 nodes).
 Every problem raises :class:`ConfigError`, whose message names
 the dotted field and, when known, ``file:line`` or the offending override, e.g.
 ``configs/default.yaml:12: optim.learning_rate: expected a float, got 'abc' (str)``.
@@ -44,12 +48,11 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "dump_yaml", "replace_path"]
+__all__ = ["ConfigError", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml", "replace_path"]
 
 T = TypeVar("T")
 
@@ -66,8 +69,34 @@ class _PlainStr(str):
     """A string from an unquoted YAML scalar or an override: may be read as a float."""
 
 
+# Limits of a config document. Aliases make a small file describe a huge tree (the "billion laughs": ten
+# aliases of ten aliases of ... is 10^9 nodes in under 1 kB), and every consumer (sections, construction, error
+# messages) walks the tree with aliases expanded; nesting exhausts Python's stack. A recipe has a few hundred
+# nodes and nests 5 levels.
+_MAX_NODES = 20_000  # nodes of the document, written or with every alias expanded
+_MAX_DEPTH = 32  # nesting, with aliases expanded
+_MAX_BYTES = 256 * 2**10  # of a config file (a recipe is a few kB, and PyYAML is pure Python)
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that marks strings coming from plain (unquoted) scalars."""
+    """SafeLoader that marks strings coming from plain (unquoted) scalars and refuses nesting deeper than
+    `_MAX_DEPTH` while composing (PyYAML's composer recurses once per level)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = self._nodes = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        self._nodes += 1
+        try:
+            if self._depth > _MAX_DEPTH or self._nodes > _MAX_NODES:
+                problem = (f"nested deeper than {_MAX_DEPTH} levels" if self._depth > _MAX_DEPTH else
+                           f"more than {_MAX_NODES:,} values")
+                raise yaml.composer.ComposerError(None, None, problem, self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_str(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
@@ -183,15 +212,32 @@ def replace_path(config: T, dotted: str, value) -> T:
 # --------------------------------------------------------------------------- reading sources
 
 
-def _read_yaml(path: str | os.PathLike) -> _Section:
-    """Parse a YAML file into a raw section tree that remembers each key's line."""
+def load_yaml(path: str | os.PathLike) -> Any:
+    """The plain data (dicts, lists, scalars) of a YAML file, read with this module's scalars and limits (a
+    regular file, 256 KiB, at most 20,000 nodes with aliases expanded, 32 levels); ConfigError naming the file
+    and line. For files that are not one schema, e.g. a section of a run's config.yaml."""
+    def build(node, loader, name, text):
+        if node is None:
+            return None
+        try:
+            return loader.construct_document(node)
+        except ValueError as e:  # an impossible timestamp, an int beyond Python's 4300 digits, ...
+            raise ConfigError(f"{name}: invalid value: {str(e).split(';')[0]}") from None
+    return _read_yaml(path, build)
+
+
+def _read_yaml(path: str | os.PathLike, build=None):
+    """Parse a YAML file into a raw section tree that remembers each key's line (or ``build(node, loader,
+    name, text)`` of its composed, size-checked document)."""
+    from models.safe_read import read_regular  # lazy: `models` imports jax
+
     name = str(path)
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path, _MAX_BYTES, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"{name}: config file not found") from None
     except OSError as e:
-        raise ConfigError(f"{name}: cannot read config file: {e}") from None
+        raise ConfigError(f"{name}: cannot read config file: {e.strerror or e}") from None
     try:
         text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text mode
     except UnicodeDecodeError as e:
@@ -201,11 +247,16 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
+        if build is not None:
+            if node is not None:
+                _check_size(node, name)
+            return build(node, loader, name, text)
         if node is None:  # empty file: defaults only
             return _Section({}, name)
         if not isinstance(node, yaml.MappingNode):
             raise ConfigError(f"{name}:{node.start_mark.line + 1}: the top level must be a "
                               f"mapping of 'field: value' pairs, got a {node.id}")
+        _check_size(node, name)
         return _section_from_node(node, loader, name, "", name, text)
     except yaml.MarkedYAMLError as e:
         mark, opened = e.problem_mark or e.context_mark, e.context_mark
@@ -223,17 +274,72 @@ def _read_yaml(path: str | os.PathLike) -> _Section:
         loader.dispose()
 
 
+def _check_size(root: yaml.Node, name: str, lines: bool = True) -> None:
+    """Refuse a composed document (``name``: its file, with ``lines``; or an override) whose tree, with every
+    alias expanded, has more than ``_MAX_NODES`` nodes, nests deeper than ``_MAX_DEPTH`` levels, or contains
+    itself (``&a [*a]``). Linear in the composed nodes: each shared node's expanded size is computed once
+    (iteratively)."""
+    size: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded nodes, expanded depth)
+    open_nodes: set[int] = set()  # the current path from the root
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
+                    node.value if isinstance(node, yaml.SequenceNode) else [])
+        line = f"{name}:{node.start_mark.line + 1}" if lines else name
+        if finished:
+            open_nodes.discard(id(node))
+            nodes = 1 + sum(size[id(c)][0] for c in children)
+            depth = 1 + max((size[id(c)][1] for c in children), default=0)
+            if nodes > _MAX_NODES:
+                raise ConfigError(f"{line}: this value has more than {_MAX_NODES:,} nodes with its YAML aliases "
+                                  "expanded (an alias bomb?)")
+            if depth > _MAX_DEPTH:
+                raise ConfigError(f"{line}: invalid YAML: nested deeper than {_MAX_DEPTH} levels with aliases "
+                                  "expanded")
+            size[id(node)] = nodes, depth
+        elif id(node) not in size:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            for child in children:
+                if id(child) in open_nodes:
+                    raise ConfigError(f"{line}: invalid YAML: an alias refers to a value that contains it "
+                                      "(a recursive structure)")
+                if id(child) not in size:
+                    stack.append((child, False))
+
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: str,
                        path: str, where: str, text: str) -> _Section:
-    """Convert a composed mapping node (``text``: the file's), rejecting duplicate keys and comment-cut values."""
+    """Convert a composed mapping node (``text``: the file's), rejecting duplicate keys and comment-cut values.
+
+    A merge key (``<<: *defaults`` or ``<<: [*a, *b]``) brings in the keys of the mapping(s) it names, as YAML
+    defines it: keys written in this mapping win, then the earlier of the merged mappings; the merge is shallow
+    (a section written here replaces the merged one)."""
     items: dict[str, _Value | _Section] = {}
     first_line: dict[str, int] = {}
+    merged: dict[str, _Value | _Section] = {}
     for key_node, value_node in node.value:
         line = key_node.start_mark.line + 1
         key_where = f"{file}:{line}"
         if not isinstance(key_node, yaml.ScalarNode):
             raise _error(key_where, path, "mapping keys must be plain field names")
         key = key_node.value
+        if key_node.tag == _MERGE:
+            if "<<" in first_line:
+                raise _error(key_where, path, f"duplicate merge key '<<' (first at line {first_line['<<']}); "
+                                              "merge several mappings with <<: [*a, *b]")
+            first_line["<<"] = line
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            if not sources or not all(isinstance(n, yaml.MappingNode) for n in sources):
+                raise _error(key_where, path, "a merge key '<<' takes a mapping or a list of mappings, e.g. "
+                                              "<<: *defaults")
+            for source in reversed(sources):
+                merged.update(_section_from_node(source, loader, file, path, key_where, text).items)
+            continue
         sub = _join(path, key)
         if key in first_line:
             raise _error(key_where, sub, f"duplicate key (first defined at line {first_line[key]})")
@@ -244,9 +350,9 @@ def _section_from_node(node: yaml.MappingNode, loader: yaml.SafeLoader, file: st
             _reject_comment_as_value(key_node, value_node, text, key_where, sub)
             try:
                 items[key] = _Value(loader.construct_document(value_node), key_where)
-            except ValueError as e:  # e.g. an impossible timestamp
-                raise _error(key_where, sub, f"invalid value: {e}") from None
-    return _Section(items, where)
+            except ValueError as e:  # e.g. an impossible timestamp, an int beyond Python's 4300 digits
+                raise _error(key_where, sub, f"invalid value: {str(e).split(';')[0]}") from None
+    return _Section({**merged, **items}, where)
 
 
 _REST_OF_LINE = re.compile("[^\n\r\x85\u2028\u2029]*")  # YAML's line breaks
@@ -266,17 +372,24 @@ def _reject_comment_as_value(key_node: yaml.Node, value_node: yaml.Node, text: s
 
 def _apply_override(tree: _Section, item: str) -> None:
     """Apply one ``a.b.c=value`` override (value parsed as YAML) to the raw tree."""
-    where = f"override {item!r}"
+    where = f"override {_cut(item)!r}"
     key, sep, text = item.partition("=")
     keys = [k.strip() for k in key.split(".")]
     if not sep or not all(keys):
         raise ConfigError(f"{where}: expected the form key=value, e.g. rl.optim.learning_rate=3e-4")
+    loader = _Loader(text)
     try:
-        value = yaml.load(text, Loader=_Loader)
-        node = yaml.compose(text, Loader=_Loader)
+        node = loader.get_single_node()
+        if node is not None:
+            _check_size(node, where, lines=False)
+        value = None if node is None else loader.construct_document(node)
+    except ConfigError as e:  # _check_size's, which names `where` first
+        raise ConfigError(f"{where}: cannot parse value {_cut(text)!r}: {str(e)[len(where) + 2:]}") from None
     except (yaml.YAMLError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot parse value {text!r}: {_yaml_reason(e)}; if it is text, quote the "
-                          f"value, e.g. \"{key}='{text}'\" in the shell") from None
+        raise ConfigError(f"{where}: cannot parse value {_cut(text)!r}: {_yaml_reason(e)}; if it is text, quote "
+                          f"the value, e.g. \"{key}='{_cut(text)}'\" in the shell") from None
+    finally:
+        loader.dispose()
     dropped = text[node.end_mark.index if node is not None else 0:].strip()
     if dropped:  # YAML reads `#` at the start or after a space as a comment: it would vanish silently
         raise ConfigError(f"{where}: YAML reads {dropped!r} as a comment and would drop it; quote the value, "
@@ -422,8 +535,13 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int), value
     if tp is float:
-        if isinstance(value, (int, float)):
-            return True, float(value)
+        if isinstance(value, float):
+            return True, value
+        if isinstance(value, int):
+            try:
+                return True, float(value)
+            except OverflowError:  # beyond float's range (1e309 written as digits): an infinity, refused as such
+                return True, math.inf if value > 0 else -math.inf
         if isinstance(value, str) and lenient:  # YAML 1.1 reads plain 1e-3 as a string
             try:
                 return True, float(value)
@@ -433,10 +551,16 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
 
 
 def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
-    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples); NaN is no value of any field."""
+    """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples). NaN is no value of any field,
+    and a float is finite unless the bounds admit that infinity explicitly (``le=math.inf`` or
+    ``ge=-math.inf``: e.g. a gradient-norm limit where inf means no clipping)."""
     for v in value if isinstance(value, tuple) else (value,):
         if isinstance(v, float) and math.isnan(v):
             raise _error(where, path, "must be a number, got nan")
+        if isinstance(v, float) and math.isinf(v) and f.metadata.get("le" if v > 0 else "ge") != v:
+            raise _error(where, path, f"must be finite, got {v!r}")
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise _error(where, path, f"must fit in 64 bits, got {_cut(str(v), 40)}")
     for key, (op, symbol) in _BOUNDS.items():
         if key not in f.metadata:
             continue
@@ -500,7 +624,12 @@ def _error(where: str, path: str, msg: str) -> ConfigError:
 
 
 def _show(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_cut(repr(value))} ({type(value).__name__})"
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text``, shortened to ``limit`` characters for a one-line message."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _join(path: str, key: str) -> str:

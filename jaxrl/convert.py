@@ -34,7 +34,6 @@ from typing import Literal
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -42,6 +41,7 @@ import models
 from jaxrl import configlib
 from models.configs import ModelConfig
 from models.hf import CheckpointError, copy_non_weight_files, load_config
+from models.safe_read import read_json_file
 from models.transformer import Policy
 
 __all__ = ["POLICY_FORMAT", "RUN_MODEL_FILE", "ConvertResult", "Source", "convert", "describe_source", "load_policy",
@@ -81,12 +81,14 @@ def describe_source(path: str | os.PathLike) -> Source:
         raise CheckpointError(f"{path}: no such file or directory ({_EXPECTED})")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory ({_EXPECTED})")
-    if os.path.isfile(os.path.join(path, MODEL_FILE)):
+    # lexists, not isfile: a FIFO or device under an expected name is refused by its reader (models.safe_read)
+    # with the name, instead of the directory being misread as another kind.
+    if os.path.lexists(os.path.join(path, MODEL_FILE)):
         return Source("policy", path)
     if os.path.isdir(os.path.join(path, PARAMS_DIR)):
         raise CheckpointError(f"{path}: has {PARAMS_DIR}/ but no {MODEL_FILE}: an incomplete (interrupted?) "
                               "policy checkpoint")
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.lexists(os.path.join(path, "config.json")):
         return Source("hf", path)
     if os.path.isdir(os.path.join(path, "state")):  # <run>/checkpoints/<step>
         name = os.path.basename(path)
@@ -131,13 +133,9 @@ def _run_model_config(config_file: str) -> ModelConfig:
     """The model a run trained: `<run>/model.yaml`, or for older runs the `model` section of its config.yaml
     (only that section is read, so a run whose other sections have since changed still converts)."""
     model_file = os.path.join(os.path.dirname(config_file), RUN_MODEL_FILE)
-    if os.path.isfile(model_file):
+    if os.path.lexists(model_file):  # a FIFO or device there is refused by the reader, not passed over
         return configlib.load_config(ModelConfig, model_file)
-    try:
-        with open(config_file) as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise configlib.ConfigError(f"{config_file}: invalid YAML: {e}") from None
+    data = configlib.load_yaml(config_file) or {}  # limits: regular file, size, alias expansion, depth
     if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
         raise configlib.ConfigError(f"{config_file}: expected a run config with a 'model' mapping")
     pretrained = data.get("pretrained") if isinstance(data.get("pretrained"), dict) else {}
@@ -197,10 +195,9 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
 def _policy_model_config(directory: str) -> ModelConfig:
     model_file = os.path.join(directory, MODEL_FILE)
     try:
-        with open(model_file) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{model_file}:{e.lineno}: invalid JSON: {e.msg}") from None
+        data = read_json_file(model_file, error=CheckpointError)  # limits: regular file, size, depth
+    except FileNotFoundError:
+        raise CheckpointError(f"{model_file}: missing") from None
     if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
         found = data.get("format") if isinstance(data, dict) else None
         raise CheckpointError(f"{model_file}: not a {POLICY_FORMAT} policy checkpoint (format: {found!r})")

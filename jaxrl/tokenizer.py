@@ -53,6 +53,8 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers
 
+from models.safe_read import MAX_JSON_BYTES, loads_json, read_regular
+
 __all__ = [
     "BaseTokenizer", "ChatTemplateError", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",
     "compile_chat_template", "encode_examples", "encode_prompt", "encode_prompts", "load_tokenizer", "round_up",
@@ -478,18 +480,32 @@ def _clean_up_tokenization(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+_MAX_TOKENIZER_BYTES = 2**30  # tokenizer.json / tokenizer.model (Gemma 3's tokenizer.json: 33 MB)
+
+
+def _read_bytes(path: Path, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a file of the model directory: a regular file (a FIFO there would block forever), at most
+    `max_bytes`; `TokenizerError` naming it otherwise."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read: {e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        return read_regular(path, max_bytes, TokenizerError)
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _read_json(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """A JSON object file of the model directory (`data`: its bytes, if already read), read with
+    `models.safe_read`'s limits: one-line errors with the line for invalid JSON, too deep nesting, ..."""
+    data = _read_bytes(path) if data is None else data
+    data = loads_json(data, str(path), error=TokenizerError)
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def _exists(path: Path) -> bool:
+    """Whether the model directory has `path` in any form: a FIFO or device under the name is refused when
+    read, not silently passed over."""
+    return os.path.lexists(path)
 
 
 def _token_string(value: Any, path: Path, key: str) -> str | None:
@@ -556,13 +572,13 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
     path = Path(path)
     if path.is_dir():
         directory = path
-        if (path / "tokenizer.json").is_file():
+        if _exists(path / "tokenizer.json"):
             model_file, kind = path / "tokenizer.json", "hf"
-        elif (path / "tokenizer.model").is_file():
+        elif _exists(path / "tokenizer.model"):
             model_file, kind = path / "tokenizer.model", "sp"
         else:
             raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this directory")
-    elif path.is_file():
+    elif _exists(path):
         directory, model_file = path.parent, path
         if path.suffix == ".model":
             kind = "sp"
@@ -576,10 +592,10 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
     # Special tokens, with the file each came from (for errors).
     special: dict[str, tuple[str | None, Path]] = {}
     config_file, map_file = directory / "tokenizer_config.json", directory / "special_tokens_map.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
+    config = _read_json(config_file) if _exists(config_file) else {}
     # transformers 5 reads special_tokens_map.json only for a tokenizer_config.json without `added_tokens_decoder`
     # (the files older transformers saved); a config that has one is complete and wins.
-    use_map = map_file.is_file() and "added_tokens_decoder" not in config
+    use_map = _exists(map_file) and "added_tokens_decoder" not in config
     for source, data in ((config_file, config), (map_file, _read_json(map_file) if use_map else {})):
         for key in SPECIAL_TOKEN_KEYS:
             if key in data:
@@ -592,13 +608,13 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
         raise TokenizerError(f"{config_file}: clean_up_tokenization_spaces must be true or false, got {clean_up!r}")
 
     generation_file = directory / "generation_config.json"
-    generation_ids = _generation_stop_ids(generation_file) if generation_file.is_file() else []
+    generation_ids = _generation_stop_ids(generation_file) if _exists(generation_file) else []
 
     template_file = directory / "chat_template.jinja"
-    if template_file.is_file():
+    if _exists(template_file):
         try:
-            chat_template, template_origin = template_file.read_text(encoding="utf-8"), str(template_file)
-        except (OSError, UnicodeDecodeError) as e:
+            chat_template, template_origin = _read_bytes(template_file).decode("utf-8"), str(template_file)
+        except UnicodeDecodeError as e:
             raise TokenizerError(f"{template_file}: cannot read: {e}") from None
     else:
         chat_template = _chat_template_from_config(config.get("chat_template"), config_file)
@@ -607,15 +623,16 @@ def load_tokenizer(path: str | os.PathLike, *, stop_tokens: Iterable[str] = ()) 
 
     kwargs: dict[str, Any] = {key: value for key, (value, _) in special.items()}
     if kind == "hf":
+        data = _read_bytes(model_file, _MAX_TOKENIZER_BYTES)  # read once: no second open of a swapped file
         try:
-            backend = tokenizers.Tokenizer.from_file(str(model_file))
+            backend = tokenizers.Tokenizer.from_str(data.decode("utf-8-sig"))
         except Exception as e:  # the Rust error names no file; a JSON syntax error gets its line from json
-            _read_json(model_file)
+            _read_json(model_file, data)
             raise TokenizerError(f"{model_file}: cannot load the tokenizer: {e}") from None
         make = functools.partial(HFTokenizer, backend, clean_up_tokenization_spaces=bool(clean_up))
     else:
+        proto = _read_bytes(model_file, _MAX_TOKENIZER_BYTES)
         try:
-            proto = model_file.read_bytes()
             spm.SentencePieceProcessor(model_proto=proto)
         except Exception as e:
             raise TokenizerError(f"{model_file}: not a sentencepiece model: {e}") from None

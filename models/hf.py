@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from models import hf_config
 from models.configs import ModelConfig
+from models.safe_read import open_regular, read_json_file
 from models.safetensors_io import (SafetensorsError, TensorInfo, TensorSpec, aligned_empty, read_header, read_tensor,
                                    write_file)
 from models.transformer import Policy, abstract
@@ -60,17 +61,18 @@ def _param_paths(params: nnx.State) -> list[tuple[ParamPath, Any]]:
 
 
 def read_config(directory: str) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint directory."""
+    """The parsed `config.json` of a checkpoint directory: a JSON object read with `models.safe_read`'s limits
+    (a regular file of at most 64 MiB, nested at most 64 levels)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: not a directory (expected a Hugging Face checkpoint directory)")
     try:
-        with open(path) as f:
-            return json.load(f)
+        raw = read_json_file(path, error=CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (a Hugging Face checkpoint directory has config.json)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object of settings, got {type(raw).__name__}")
+    return raw
 
 
 def load_config(directory: str | os.PathLike, *, dtype: str | None = None,
@@ -89,20 +91,14 @@ def _tensor_index(directory: str) -> dict[str, TensorInfo]:
     order of transformers' `from_pretrained`: with both, the single file)."""
     index_path = os.path.join(directory, INDEX_FILE)
     try:
-        if os.path.exists(os.path.join(directory, SINGLE_FILE)):
+        if os.path.lexists(os.path.join(directory, SINGLE_FILE)):
             return read_header(os.path.join(directory, SINGLE_FILE))[0]
-        if os.path.exists(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{index_path}:{e.lineno}: invalid JSON: {e.msg}") from None
-            except (KeyError, TypeError):
-                raise CheckpointError(f"{index_path}: no 'weight_map' object") from None
+        if os.path.lexists(index_path):
+            weight_map = _weight_map(index_path)
             tensors = {}
             for file in sorted(set(weight_map.values())):
                 path = os.path.join(directory, file)
-                if not os.path.exists(path):
+                if not os.path.lexists(path):
                     raise CheckpointError(f"{path}: missing (listed in {INDEX_FILE})")
                 tensors.update(read_header(path)[0])
             for name, file in weight_map.items():
@@ -120,6 +116,24 @@ def _tensor_index(directory: str) -> dict[str, TensorInfo]:
         return read_header(os.path.join(directory, files[0]))[0]
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
+
+
+def _weight_map(index_path: str) -> dict[str, str]:
+    """The index's `weight_map`: tensor name -> a file name in the same directory (no path: `../x` or `/dev/x`
+    would read outside the checkpoint)."""
+    try:
+        index = read_json_file(index_path, error=CheckpointError)
+    except FileNotFoundError:
+        raise CheckpointError(f"{index_path}: missing") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: 'weight_map' must be an object of tensor name -> file name, got "
+                              f"{type(weight_map).__name__}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or file in ("", ".", "..") or os.path.basename(file) != file or "/" in file:
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name in the checkpoint "
+                                  f"directory, got {repr(file)[:80]}")
+    return weight_map
 
 
 def from_pretrained(
@@ -187,10 +201,12 @@ def _check_tied_head(embedding: np.ndarray, head: TensorInfo, directory: str) ->
     logits. Compared through a memory map, a slice of rows at a time (no second copy of the table)."""
     same = head.shape == embedding.shape
     if same:
-        stored = np.memmap(head.file, head.dtype, "r", head.offset, head.shape)
-        rows = max(1, 2**22 // max(1, embedding[0].size))
-        same = all(np.array_equal(embedding[i:i + rows], stored[i:i + rows]) for i in range(0, len(embedding), rows))
-        del stored
+        with open_regular(head.file, CheckpointError) as f:
+            stored = np.memmap(f, head.dtype, "r", head.offset, head.shape)
+            rows = max(1, 2**22 // max(1, embedding[0].size))
+            same = all(np.array_equal(embedding[i:i + rows], stored[i:i + rows])
+                       for i in range(0, len(embedding), rows))
+            del stored
     if not same:
         raise CheckpointError(f"{head.file}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but "
                               f"{os.path.join(directory, 'config.json')} has tie_word_embeddings=true (transformers "

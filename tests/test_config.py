@@ -69,7 +69,12 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.sampling.top_p=1.5"], ["rl.sampling.top_p", "<= 1"]),
         ("", ["seed=-1"], ["seed", ">= 0"]),
         ("", ["reward.length_target=100", "reward.length_penalty_coef=inf"],  # infinite rewards at step 1
-         ["reward.length_penalty_coef", "< inf"]),
+         ["reward.length_penalty_coef", "must be finite, got inf"]),
+        ("", ["rl.optim.learning_rate=.inf"], ["rl.optim.learning_rate: must be finite, got inf"]),
+        ("", ["sft.optim.learning_rate=inf"], ["sft.optim.learning_rate: must be finite, got inf"]),
+        ("", ["rl.sampling.temperature=inf"], ["rl.sampling.temperature: must be finite, got inf"]),
+        ("", ["rl.loss.clip_eps_high=inf"], ["rl.loss.clip_eps_high: must be finite, got inf"]),
+        ("", ["model.rope_theta=inf"], ["model.rope_theta: must be finite, got inf"]),
         ("", ["rl.loss.clip_cov_high=nan"], ["rl.loss.clip_cov_high", "must be a number, got nan"]),
         ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
         ("", ["data.template={prompt}"], ["data.template: expected a str, got a mapping",
@@ -135,3 +140,52 @@ def test_a_missing_config_asks_for_the_config_only(capsys, command):
         cli.main([command])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: config")
+
+
+def _float_fields(cls, prefix=""):
+    """Dotted paths of every float field (plain, optional or tuple entries) of a config dataclass tree."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        args = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            yield from _float_fields(tp, path + ".")
+        elif tp is float or float in args or any(float in typing.get_args(a) for a in args):
+            yield path
+
+
+FLOAT_FIELDS = sorted(_float_fields(Config))
+INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm"}
+
+
+@pytest.mark.parametrize("path", FLOAT_FIELDS)
+def test_every_float_field_refuses_infinity_unless_it_means_no_limit(path):
+    """`rl.optim.learning_rate=.inf` was accepted (and the first update made every parameter non-finite). Every
+    float field of the run config now refuses +-inf, through the bounds metadata (not field by field); only the
+    gradient-norm limits admit +inf, which optax reads as no clipping."""
+    assert len(FLOAT_FIELDS) > 40  # the sweep reaches every section (rl.loss, model, reward, ...)
+    if path in INFINITY_MEANS_SOMETHING:
+        assert load_config(Config, "configs/default.yaml", [f"{path}=inf"])
+    else:
+        with pytest.raises(ConfigError, match=f"{path}: must be finite, got inf"):
+            load_config(Config, "configs/default.yaml", [f"{path}=inf"])
+    with pytest.raises(ConfigError, match=f"{path}: must be finite, got -inf"):
+        load_config(Config, "configs/default.yaml", [f"{path}=-inf"])
+
+
+def test_an_infinite_gradient_norm_limit_means_no_clipping():
+    """What `max_grad_norm: .inf` means to optax: the gradients pass unchanged (and the config takes it)."""
+    import math
+
+    import jax.numpy as jnp
+    import optax
+
+    config = load_config(Config, "configs/default.yaml", ["rl.optim.max_grad_norm=.inf"])
+    assert config.rl.optim.max_grad_norm == math.inf
+    grads = {"w": jnp.array([3e4, -4e4]), "b": jnp.array([1e-3])}
+    clip = optax.clip_by_global_norm(config.rl.optim.max_grad_norm)
+    clipped, _ = clip.update(grads, clip.init(grads))
+    assert all(bool(jnp.array_equal(clipped[k], grads[k])) for k in grads)

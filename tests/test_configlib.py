@@ -315,11 +315,33 @@ def test_bounds(tmp_path):
 
 def test_nan_is_no_value_of_any_float_field(tmp_path):
     """Unbounded fields and tuple entries took NaN (and gave NaN parameters, say); bounded ones refused it only by
-    accident of the comparison. Infinity stays a value where the bounds allow it."""
+    accident of the comparison."""
     path = write(tmp_path, "model:\n  dropout: .nan\n")
     raises(lambda: load_config(Root, path), f"{path}:2: model.dropout: must be a number, got nan")
     raises(lambda: load_config(Root, None, ["optim.betas=[0.9, nan]"]), "optim.betas: must be a number, got nan")
-    assert load_config(Root, None, ["model.dropout=inf"]).model.dropout == math.inf
+
+
+@dataclass(frozen=True)
+class Clipping:
+    max_norm: float = field(default=1.0, metadata={"gt": 0, "le": math.inf})  # inf: no clipping
+    floor: float = field(default=-1.0, metadata={"ge": -math.inf, "lt": 0})  # -inf: no floor
+    scale: float = field(default=1.0, metadata={"gt": 0})
+
+
+def test_infinity_only_where_the_bounds_admit_it(tmp_path):
+    """`learning_rate=.inf` was accepted (a `gt=0` bound holds for inf), and the first update made every
+    parameter non-finite. Infinity is now a value only of a field whose bounds name it (`le=math.inf`, or
+    `ge=-math.inf` for -inf), whatever the source (file, override, tuple entry, replace_path)."""
+    path = write(tmp_path, "optim:\n  learning_rate: .inf\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: optim.learning_rate: must be finite, got inf")
+    raises(lambda: load_config(Root, None, ["model.dropout=-.inf"]), "model.dropout: must be finite, got -inf")
+    raises(lambda: load_config(Root, None, ["optim.betas=[0.9, inf]"]), "optim.betas: must be finite, got inf")
+    raises(lambda: replace_path(Root(), "optim.learning_rate", math.inf), "optim.learning_rate: must be finite")
+    raises(lambda: from_dict(Root, {"model": {"dropout": math.inf}}), "model.dropout: must be finite, got inf")
+    assert load_config(Clipping, None, ["max_norm=inf", "floor=-inf"]) == Clipping(math.inf, -math.inf)
+    raises(lambda: load_config(Clipping, None, ["max_norm=-inf"]), "max_norm: must be finite, got -inf")
+    raises(lambda: load_config(Clipping, None, ["floor=inf"]), "floor: must be finite, got inf")
+    raises(lambda: load_config(Clipping, None, ["scale=inf"]), "scale: must be finite, got inf")
 
 
 def test_validate_cross_check(tmp_path):
@@ -486,3 +508,50 @@ def test_dump_yaml_round_trips_nested_presets(tmp_path, recipe):
         assert load_config(WithStack, dumped, overrides) == load_config(WithStack, path, overrides)
     # A config.yaml written before (every field explicit) still loads as the same config.
     assert load_config(WithStack, write(tmp_path, yaml.safe_dump(to_dict(config)), "old.yaml")) == config
+
+
+def test_anchors_aliases_and_merge_keys(tmp_path):
+    """Ordinary anchors work (as before) and merge keys now do too (`<<` was an unknown field): keys written
+    in the mapping win over merged ones, the earlier of several merged mappings wins, and the merge is
+    shallow. Errors in a merged value name the line where it is written."""
+    path = write(tmp_path, """
+        optim: &base
+          learning_rate: 0.01
+          warmup_steps: 5
+          betas: &betas [0.8, 0.9]
+        model:
+          dims: *betas
+        """)
+    raises(lambda: load_config(Root, path), f"{path}:6: model.dims[0]: expected an int, got 0.8")
+    path = write(tmp_path, """
+        total_steps: 50
+        model: &m
+          name: shared
+          dims: [1, 2]
+        optim:
+          <<: [&lr {learning_rate: 0.5, warmup_steps: 1}, {learning_rate: 0.7, schedule: constant}]
+          warmup_steps: 3
+        """)
+    cfg = load_config(Root, path)
+    assert cfg.optim == Optim(learning_rate=0.5, warmup_steps=3, schedule="constant")
+    assert cfg.model == Model(dims=(1, 2), name="shared")
+    path = write(tmp_path, "optim: &o\n  learning_rate: 0.1\nmodel:\n  <<: *o\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: unknown field 'learning_rate' in model")
+    path = write(tmp_path, "optim:\n  <<: 3\n")
+    raises(lambda: load_config(Root, path), f"{path}:2: optim: a merge key '<<' takes a mapping")
+
+
+def test_config_files_have_limits(tmp_path):
+    """Only a regular file of at most 256 KiB is read as a config (a FIFO blocked the read forever; /dev/zero
+    never ended)."""
+    import os
+
+    big = write(tmp_path, "seed: 1\n" + "# padding\n" * 30_000, "big.yaml")
+    raises(lambda: load_config(Root, big), f"{big}: larger than 262,144 bytes")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    raises(lambda: load_config(Root, fifo), f"{fifo}: not a regular file but a FIFO")
+    raises(lambda: load_config(Root, tmp_path), f"{tmp_path}: not a regular file but a directory")
+    # PyYAML is pure Python: a document is refused once it holds 20,000 values, not after parsing all of it.
+    flat = write(tmp_path, "model:\n  dims: [" + "1, " * 80_000 + "1]\n", "flat.yaml")
+    raises(lambda: load_config(Root, flat), f"{flat}:2: invalid YAML: more than 20,000 values")

@@ -16,7 +16,8 @@ from jaxrl import cli, configlib
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.convert import (
-    HF_FILES_DIR, MODEL_FILE, POLICY_FORMAT, convert, describe_source, load_policy, parse_size, save_policy,
+    HF_FILES_DIR, MODEL_FILE, POLICY_FORMAT, RUN_MODEL_FILE, convert, describe_source, load_policy, parse_size,
+    save_policy,
 )
 from models import CheckpointError
 
@@ -260,3 +261,28 @@ def test_parse_size():
     for bad in ("", "GB", "-5GB", "0", "5 GBs", "1e9"):
         with pytest.raises(ValueError, match="invalid size"):
             parse_size(bad)
+
+
+def test_hostile_run_and_policy_files_stop_convert_with_one_line(tmp_path, capsys):
+    """A run's config.yaml / model.yaml and a policy's model.json are read with the same limits as configs and
+    HF files: an alias bomb, deep nesting, a FIFO (which was passed over, or hung) each stop `jaxrl convert`
+    with one line naming the file."""
+    run = tmp_path / "run"
+    make_run(run, "qwen2")
+    bomb = "model:\n  layer_types:\n  - &l0 [a, a, a, a, a, a, a, a, a]\n" + "".join(
+        f"  - &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 7))
+    for text, fragment in ((bomb, "config.yaml:7: this value has more than 20,000 nodes with its YAML aliases"),
+                           ("model:\n  layer_types: " + "[" * 10_000 + "]" * 10_000 + "\n",
+                            "config.yaml:2: invalid YAML: nested deeper than 32 levels")):
+        (run / "config.yaml").write_text(text)
+        assert fragment in cli_error(capsys, run, tmp_path / "out")
+    os.mkfifo(run / RUN_MODEL_FILE)
+    assert f"{run / RUN_MODEL_FILE}: not a regular file but a FIFO" in cli_error(capsys, run, tmp_path / "out")
+
+    policy = tmp_path / "policy"
+    convert(fixture("qwen2"), policy)
+    (policy / MODEL_FILE).write_text('{"format": "jaxrl-policy/1", "model": ' + "[" * 1000 + "]" * 1000 + "}")
+    assert "model.json: JSON nested 1001 levels deep" in cli_error(capsys, policy, tmp_path / "out")
+    (policy / MODEL_FILE).unlink()
+    os.mkfifo(policy / MODEL_FILE)
+    assert f"{policy / MODEL_FILE}: not a regular file but a FIFO" in cli_error(capsys, policy, tmp_path / "out")

@@ -129,11 +129,13 @@ def test_rope_scaling_overrides_rope_parameters():
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"model_type": "gemma3"}, "multimodal Gemma 3"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters type 'yarn'"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling of type linear lacks 'factor'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "missing key 'rope_scaling.factor'"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "relu"}, "hidden_act='relu'"),
     ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
     ({"hidden_size": None}, "missing key 'hidden_size'"),
+    ({"hidden_size": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": None},
+     "the model's head_dim must be > 0, got 0"),  # derived: hidden_size // num_attention_heads
 ])
 def test_unsupported_configs_are_named(change, match):
     with pytest.raises(hf_config.ConfigError, match=match) as info:
@@ -433,3 +435,65 @@ def test_tied_checkpoint_with_a_different_stored_head_is_refused(qwen_copy):
     _rewrite(qwen_copy / "model.safetensors", reshape=("lm_head.weight", head[:-1]))  # another shape
     with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' differs"):
         models.from_pretrained(qwen_copy, progress=False)
+
+
+def test_json_depth_matches_the_parsed_structure():
+    """`models.safe_read.json_depth` counts brackets outside strings (no parse, no recursion); the reference is
+    the depth of what `json.loads` builds, on random documents whose strings are full of brackets, quotes and
+    escapes."""
+    import json
+    import random
+
+    from models.safe_read import json_depth
+
+    def depth(value):
+        if isinstance(value, (list, dict)):
+            children = value.values() if isinstance(value, dict) else value
+            return 1 + max((depth(v) for v in children), default=0)
+        return 0
+
+    rng = random.Random(0)
+    pieces = ['[', ']', '{', '}', '"', '\\', '\\"', 'a', ' ', '\n', 'é', '\\u005b']
+
+    def build(level):
+        kind = rng.random()
+        if level > 12 or kind < 0.3:
+            return rng.choice([1, -2.5, None, True, "".join(rng.choices(pieces, k=rng.randint(0, 8)))])
+        if kind < 0.65:
+            return [build(level + 1) for _ in range(rng.randint(0, 3))]
+        return {"".join(rng.choices(pieces, k=rng.randint(0, 5))): build(level + 1) for _ in range(rng.randint(0, 3))}
+
+    for _ in range(300):
+        doc = build(0)
+        for text in (json.dumps(doc), json.dumps(doc, indent=1, ensure_ascii=False)):
+            assert json_depth(text) == depth(json.loads(text)), text
+
+
+def test_symlinked_files_still_load(tmp_path):
+    """HF's cache keeps each file as a symlink into blobs/: the regular-file check follows symlinks (only what
+    they point to must be a regular file)."""
+    source = fixture("transformers4", "llama3")
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for n, name in enumerate(sorted(os.listdir(source))):
+        shutil.copyfile(os.path.join(source, name), blobs / f"blob{n}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob{n}"), snapshot / name)
+    loaded = models.from_pretrained(snapshot, progress=False)
+    reference = models.from_pretrained(source, progress=False)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(reference.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_json_depth_is_linear_on_unterminated_strings():
+    """A string pattern that can fail after its opening quote is retried from every later quote: 80 kB of
+    '\\"' took 34 s. Unterminated strings now run to the end of the text."""
+    import time
+
+    from models.safe_read import json_depth
+
+    for text in ('"' + '\\"' * 500_000, '["\\' * 300_000, '"a' * 500_000 + "\\"):
+        start = time.perf_counter()
+        json_depth(text)
+        assert time.perf_counter() - start < 1.0
+    assert json_depth('[[1, "]]]\\"[[["], ["') == 2

@@ -15,7 +15,8 @@ are described by `PromptFields`. Presets for common layouts:
 Text (prompt, reference, test strings) must be valid Unicode: a lone surrogate (JSON `"\\ud83d"` without its
 pair) is a bad row, since no tokenizer or program can take it.
 
-Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>` for Parquet, 0-based), or with
+A row nested deeper than 64 levels, or holding an integer of more than 4300 digits (Python's limit), is a bad
+row too. Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>` for Parquet, 0-based), or with
 `skip_bad_rows=True` are skipped, counted and the first few logged.
 """
 
@@ -35,6 +36,7 @@ import grain
 
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.rewards.math import extract_answer
+from models.safe_read import check_regular, json_depth, open_regular
 
 __all__ = ["DataError", "PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
 
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 _MAX_LOGGED_BAD_ROWS = 5
+_MAX_ROW_DEPTH = 64  # JSON nesting of a row (code tests nest 3 levels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,7 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
     elif isinstance(raw, (list, dict)):
         reference = json.dumps({"tests": _code_tests(raw, fields.reference)})
     elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
-        if not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
+        if isinstance(raw, float) and not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
             raise _BadRow(f"field {fields.reference!r} is {raw!r}, not a finite number")
         reference = json.dumps(raw)
     else:
@@ -177,9 +180,23 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
     return PromptRecord(prompt=fields.template.format(prompt=prompt), reference=reference, source=source)
 
 
+def _parse_row(text: str) -> Any:
+    """One JSONL line -> its value, or a _BadRow for invalid JSON, nesting deeper than `_MAX_ROW_DEPTH` (before
+    parsing: Python's parser recurses per level) or an integer beyond Python's 4300-digit limit."""
+    depth = json_depth(text)
+    if depth > _MAX_ROW_DEPTH:
+        return _BadRow(f"JSON nested {depth} levels deep, more than the limit of {_MAX_ROW_DEPTH}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+    except (ValueError, RecursionError) as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        return _BadRow(f"invalid JSON ({str(e).split(';')[0]})")
+
+
 def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
     """Yields `(location, parsed row or _BadRow)` per non-blank line; location is `path:line` (1-based)."""
-    with open(path, "rb") as f:
+    with open_regular(path, DataError) as f:
         for line_no, raw in enumerate(f, start=1):
             location = f"{path}:{line_no}"
             try:
@@ -189,10 +206,7 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
                 continue
             if not text.strip():
                 continue
-            try:
-                yield location, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield location, _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+            yield location, _parse_row(text)
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
@@ -201,10 +215,13 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
 
     index = 0
     try:
-        for batch in pq.ParquetFile(path).iter_batches():
-            for row in batch.to_pylist():
-                yield f"{path}:row {index}", row
-                index += 1
+        with open_regular(path, DataError) as f:
+            for batch in pq.ParquetFile(f).iter_batches():
+                for row in batch.to_pylist():
+                    yield f"{path}:row {index}", row
+                    index += 1
+    except DataError:
+        raise
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
         raise DataError(f"{path}: not a readable Parquet file (after {index} rows): {e}") from None
 
@@ -214,12 +231,15 @@ def load_prompts(
 ) -> tuple[list[PromptRecord], int]:
     """Load `(records, num_skipped)` from a `.jsonl` or `.parquet` file.
 
-    Raises FileNotFoundError for a missing file, `DataError` (a ValueError) for an unsupported suffix, for
-    the first bad row (unless `skip_bad_rows`), and when no rows load.
+    Raises FileNotFoundError for a missing file, `DataError` (a ValueError) for anything but a regular file (a
+    FIFO would block the read forever), an unsupported suffix, the first bad row (unless `skip_bad_rows`), and
+    when no rows load.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file not found: {path}")
+    try:
+        check_regular(path, DataError)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"prompt file not found: {path}") from None
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
         rows = _jsonl_rows(path)
