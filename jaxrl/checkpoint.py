@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl.sharding import process_max
+
 log = logging.getLogger(__name__)
 
 DIGEST_FORMAT = "jaxrl array digest v1: two uint32 sums of fmix32(element bits ^ mix(position))"
@@ -59,9 +61,10 @@ class Checkpointer:
     """Saves `{state pytree, metadata dict}` under `directory/<step>` with a digest of every array; keeps the
     newest `keep` (and the newest intact one, see the module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, intact: Sequence[int] = ()):
+        """`intact`: steps known to be intact (verified by an earlier `Checkpointer` of this process)."""
         self._keep = keep
-        self._intact: set[int] = set()  # restored and verified here, or written here
+        self._intact: set[int] = set(intact)  # restored and verified here, or written here
         self._damaged: set[int] = set()  # failed verification here
         self._manager = ocp.CheckpointManager(
             os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
@@ -125,16 +128,17 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), metadata=ocp.args.JsonRestore()))
             return restored["state"], restored["metadata"]
-        try:
+        error, saved = None, {}
+        try:  # a damaged digests file: the checkpoint cannot be trusted
             record = self._manager.restore(step, args=ocp.args.Composite(digests=ocp.args.JsonRestore()))["digests"]
             saved = _parse_digests(record)
-        except Exception as e:  # a damaged digests file: the checkpoint cannot be trusted
-            self._damaged.add(step)
-            raise CheckpointDamaged(f"checkpoint {step}: its digests do not read ({type(e).__name__}: {e})") from None
+        except Exception as e:
+            error = CheckpointDamaged(f"checkpoint {step}: its digests do not read ({type(e).__name__}: {e})")
+        self._agree(step, error)
         # Restored with the saved dtypes, verified, then cast to `like`'s: a cast is not always reversible.
         flat = ocp.tree.to_flat_dict(abstract)
         missing = [_name(path) for path in flat if _name(path) not in saved]
-        if missing:
+        if missing:  # the same on every process: they read the same file
             self._damaged.add(step)
             raise CheckpointDamaged(f"checkpoint {step}: no digest for {', '.join(missing[:3])}")
         as_saved = ocp.tree.from_flat_dict(
@@ -143,9 +147,9 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(as_saved), metadata=ocp.args.JsonRestore()))
-        except Exception:  # orbax and tensorstore raise many types for missing or damaged files
-            self._damaged.add(step)
-            raise
+        except Exception as e:  # orbax and tensorstore raise many types for missing or damaged files
+            error = e
+        self._agree(step, error)
         state = restored["state"]
         found, _ = _digests_and_finite(state)
         wrong = [f"{name} (saved {saved[name][1]}, read {found[name]['digest']})"
@@ -153,8 +157,9 @@ class Checkpointer:
         if wrong:
             self._damaged.add(step)
             more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-            raise CheckpointDamaged(f"checkpoint {step}: array {', '.join(wrong[:3])}{more} does not match its "
-                                    "digest")
+            raise CheckpointDamaged(f"checkpoint {step}: {'array' if len(wrong) == 1 else 'arrays'} "
+                                    f"{', '.join(wrong[:3])}{more} {'does' if len(wrong) == 1 else 'do'} not match "
+                                    "the digests saved with them")
         if record.get("metadata_sha256") != _json_digest(restored["metadata"]):
             self._damaged.add(step)
             raise CheckpointDamaged(f"checkpoint {step}: its metadata does not match its digest")
@@ -163,6 +168,17 @@ class Checkpointer:
         state = jax.tree.map(lambda x, target: x if x.dtype == target.dtype else x.astype(target.dtype),
                              state, abstract)
         return state, restored["metadata"]
+
+    def _agree(self, step: int, error: Exception | None) -> None:
+        """Raise `error` (or, where this process had none, `CheckpointDamaged`) when reading `step` failed on
+        any process: each reads its own shards, and all must take the same checkpoint before the digests (a
+        collective) are computed. The step is then known to be damaged."""
+        failed = error is not None
+        if jax.process_count() > 1:
+            failed = bool(process_max(int(failed)))
+        if failed:
+            self._damaged.add(step)
+            raise error or CheckpointDamaged(f"checkpoint {step}: another process could not read it")
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
