@@ -157,9 +157,9 @@ class Checkpointer:
         if wrong:
             self._damaged.add(step)
             more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-            raise CheckpointDamaged(f"checkpoint {step}: {'array' if len(wrong) == 1 else 'arrays'} "
-                                    f"{', '.join(wrong[:3])}{more} {'does' if len(wrong) == 1 else 'do'} not match "
-                                    "the digests saved with them")
+            one = len(wrong) == 1
+            raise CheckpointDamaged(f"checkpoint {step}: {'array' if one else 'arrays'} {', '.join(wrong[:3])}{more} "
+                                    f"{'does not match its digest' if one else 'do not match their digests'}")
         if record.get("metadata_sha256") != _json_digest(restored["metadata"]):
             self._damaged.add(step)
             raise CheckpointDamaged(f"checkpoint {step}: its metadata does not match its digest")
