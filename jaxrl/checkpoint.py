@@ -30,6 +30,7 @@ and the fallback is then the newest older checkpoint that verifies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -263,15 +264,21 @@ def array_digest(x: jax.Array) -> jax.Array:
     return jnp.stack(lanes)
 
 
-def _check(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-    digests = [array_digest(x) for x in leaves]
-    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-              for x in leaves]
-    return digests, finite
+def _check(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`([2] uint32 digest, bool all finite)` of one array."""
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    return array_digest(x), finite
+
+
+@functools.lru_cache(maxsize=16)
+def _checker(out: jax.sharding.Sharding) -> Callable:
+    """`_check` jitted with its results replicated by `out`; one program per shape and dtype (a state has
+    few: parameters and their Adam moments share theirs), each compiled once."""
+    return jax.jit(_check, out_shardings=(out, out))
 
 
 def _replicated(x: jax.Array) -> jax.sharding.Sharding:
-    """A sharding replicating a small result over the devices of `x` (a `jax.Array`)."""
+    """A sharding replicating a small result over the devices of `x`."""
     sharding = x.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -280,17 +287,18 @@ def _replicated(x: jax.Array) -> jax.sharding.Sharding:
 
 
 def _digests_and_finite(tree: Any) -> tuple[dict[str, dict], dict[str, bool]]:
-    """`({name: {"dtype", "shape", "digest"}}, {name: all finite})` of every array of `tree`, in one jitted
-    pass on the arrays' devices (a collective over every process of a multi-host job: all must call it)."""
+    """`({name: {"dtype", "shape", "digest"}}, {name: all finite})` of every array of `tree`, computed on the
+    arrays' devices (collectives over every process of a multi-host job: all must call this alike)."""
     flat = ocp.tree.to_flat_dict(tree)
     names = [_name(path) for path in flat]
     leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat.values()]
-    outs = [_replicated(x) for x in leaves]
-    digests, finite = jax.jit(_check, out_shardings=(outs, outs))(leaves)
-    local = lambda a: np.asarray(a.addressable_data(0))  # replicated: every process holds the whole value
-    record = {name: {"dtype": str(x.dtype), "shape": list(x.shape), "digest": local(d).astype(">u4").tobytes().hex()}
+    results = [_checker(_replicated(x))(x) for x in leaves]  # dispatched together, then read
+    # replicated: every process holds the whole result
+    digests = [np.asarray(d.addressable_data(0)) for d, _ in results]
+    finite = [bool(np.asarray(f.addressable_data(0))) for _, f in results]
+    record = {name: {"dtype": str(x.dtype), "shape": list(x.shape), "digest": d.astype(">u4").tobytes().hex()}
               for name, x, d in zip(names, leaves, digests)}
-    return record, {name: bool(local(f)) for name, f in zip(names, finite)}
+    return record, dict(zip(names, finite))
 
 
 def _check_shapes(state_dir, like: Any) -> None:
