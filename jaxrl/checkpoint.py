@@ -293,9 +293,10 @@ def _digests_and_finite(tree: Any) -> tuple[dict[str, dict], dict[str, bool]]:
     names = [_name(path) for path in flat]
     leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat.values()]
     results = [_checker(_replicated(x))(x) for x in leaves]  # dispatched together, then read
-    # replicated: every process holds the whole result
-    digests = [np.asarray(d.addressable_data(0)) for d, _ in results]
-    finite = [bool(np.asarray(f.addressable_data(0))) for _, f in results]
+    # replicated: every process holds the whole result; one transfer of them all
+    digests, finite = jax.device_get(([d.addressable_data(0) for d, _ in results],
+                                      [f.addressable_data(0) for _, f in results]))
+    finite = [bool(f) for f in finite]
     record = {name: {"dtype": str(x.dtype), "shape": list(x.shape), "digest": d.astype(">u4").tobytes().hex()}
               for name, x, d in zip(names, leaves, digests)}
     return record, dict(zip(names, finite))
