@@ -2,9 +2,9 @@
 (data-iterator state, RNG seed, phase), and a digest of every array, verified when it is restored.
 
 Layout of `directory/<step>/`: `state/` (orbax's arrays), `metadata/` (JSON) and `digests/` (JSON: per array
-its dtype, shape and `array_digest`; the sha256 of the metadata's JSON). The three are items of one orbax save, so the step directory is
-committed (renamed into place, `commit_success.txt`) only once all of them are written: a crash never leaves
-digests beside arrays of another save.
+its dtype, shape and `array_digest`, and the sha256 of the metadata's JSON). The three are items of one orbax
+save, so the step directory is committed (renamed into place, `commit_success.txt`) only once all of them are
+written: a crash never leaves digests beside arrays of another save.
 
 Why our own digests: orbax 0.12 writes zarr v2 chunks (zstd) into OCDBT files without any checksum of the
 data (its zarr3 layout checksums only the shard index), and a byte flipped in a data file restores silently
@@ -14,10 +14,10 @@ The digest (`array_digest`) is computed on the device from the global array, so 
 host, and every process of a multi-host job gets the same value. It is a sum modulo 2**32 of a bijective
 mix (murmur3's finaliser) of each element's bits with its position, in two lanes with different seeds:
 integer sums are exact and associative, so the value does not depend on the mesh or on how the reduction
-is split, and a checkpoint written from a (2,2,2) mesh verifies on (1,1,8). A change of one element always
-changes both lanes (the mix is a bijection of the element's bits); changes of several elements go unseen
-with probability about 2**-64. It guards against accidental damage (disks, copies, truncation), not
-against someone who can rewrite the checkpoint: they can rewrite its digests too.
+is split, and a checkpoint written from a (2,2,2) mesh verifies on (1,1,8). A change of one 32-bit word
+(one element of 32 bits or fewer) always changes both lanes, since the mix is a bijection of the word's
+bits; other changes go unseen with probability about 2**-64. It guards against accidental damage (disks,
+copies, truncation), not against someone who can rewrite the checkpoint: they can rewrite its digests too.
 
 Retention (`keep`): the newest `keep` checkpoints not known to be damaged, and always the newest intact one.
 A checkpoint is intact when this `Checkpointer` restored it and its digests matched, or wrote it (its
@@ -64,7 +64,6 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2, intact: Sequence[int] = ()):
         """`intact`: steps known to be intact (verified by an earlier `Checkpointer` of this process)."""
-        self._keep = keep
         self._intact: set[int] = set(intact)  # restored and verified here, or written here
         self._damaged: set[int] = set()  # failed verification here
         self._manager = ocp.CheckpointManager(

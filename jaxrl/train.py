@@ -337,7 +337,8 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     clipping), `critic_grad_norm` with a critic, `skipped`: 1.0 when the loss or a gradient was not finite
     or the update would make a parameter or optimizer-state array non-finite (`_apply_if_finite`), in which
     case the state is returned unchanged (parameters, optimizer state and step count), `nonfinite_update`:
-    1.0 for the latter cause alone (finite loss and gradients, non-finite result), and `loss_tokens`: the mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
+    1.0 for the latter cause alone (finite loss and gradients, non-finite result), and `loss_tokens`: the
+    mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
     `update_policy=False` trains only the critic (PPO's critic warm-up): the policy and its optimizer state
     stay as they are.
 

@@ -381,9 +381,10 @@ def test_an_update_that_overflows_is_skipped_and_leaves_the_state_untouched(dona
 
 def test_a_run_whose_update_turns_non_finite_never_saves_it(tmp_path, monkeypatch):
     """A test hook scales every optimizer update from the second on by NaN (loss and gradients stay finite):
-    (one warm-start update, which the hook leaves alone) RL update 1 trains, updates 2 and 3 are skipped (`train/skipped`, `train/nonfinite_update`), the run stops
-    after rl.max_consecutive_skips = 2 of them, and every saved checkpoint holds finite arrays: checkpoint 2
-    holds the parameters of update 1, which the skipped update left as they were."""
+    after one warm-start update, which the hook leaves alone, RL update 1 trains, updates 2 and 3 are skipped
+    (`train/skipped`, `train/nonfinite_update`), the run stops after rl.max_consecutive_skips = 2 of them, and
+    every saved checkpoint holds finite arrays: checkpoint 2 holds the parameters of update 1, which the
+    skipped update left as they were."""
     import orbax.checkpoint as ocp
 
     def nan_from_the_second_update(config):
