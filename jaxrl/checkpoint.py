@@ -291,7 +291,11 @@ def _digests_and_finite(tree: Any) -> tuple[dict[str, dict], dict[str, bool]]:
     flat = ocp.tree.to_flat_dict(tree)
     names = [_name(path) for path in flat]
     leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat.values()]
-    results = [_checker(_replicated(x))(x) for x in leaves]  # dispatched together, then read
+    results = []
+    for x in leaves:
+        results.append(_checker(_replicated(x))(x))
+        if jax.process_count() > 1:  # one cross-process program in flight at a time: more can deadlock (gloo)
+            jax.block_until_ready(results[-1])
     # replicated: every process holds the whole result; one transfer of them all
     digests, finite = jax.device_get(([d.addressable_data(0) for d, _ in results],
                                       [f.addressable_data(0) for _, f in results]))
