@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 import models
 from jaxrl import configlib, dynamic_sampling, evaluation, losses, rewards
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import Checkpointer, NonFiniteState
 from jaxrl.config import Config, OptimConfig
 from jaxrl.convert import RUN_MODEL_FILE, describe_source, load_policy
 from jaxrl.data import arithmetic
@@ -868,9 +868,13 @@ def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, po
 
     def save(step: int, phase: str) -> None:
         flush()  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
-        checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
-                          {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
-                           "totals": dict(totals), "consecutive_skips": consecutive_skips})
+        try:
+            checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
+                              {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
+                               "totals": dict(totals), "consecutive_skips": consecutive_skips})
+        except NonFiniteState as e:  # never a checkpoint to resume from
+            raise TrainingDiverged(f"RL step {step}: {e}; the last checkpoint in {checkpointer.directory} holds "
+                                   "the last good parameters") from None
 
     bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
                initial=first_step - 1, total=rl.steps)

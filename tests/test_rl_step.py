@@ -410,6 +410,27 @@ def test_a_run_whose_update_turns_non_finite_never_saves_it(tmp_path, monkeypatc
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_non_finite_state_at_a_save_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch):
+    """Whatever made it (a hook here plants a NaN in the state the run saves at step 2), a non-finite state is
+    not saved: the run stops naming the step and the array, and checkpoint 1 stays the newest."""
+    real = loop._checkpoint_state
+
+    def nan_at_step_2(state, *args):
+        saved = real(state, *args)
+        if int(state.step) == 2:  # the first array of the parameters, the embedding: one NaN
+            leaves, treedef = jax.tree.flatten(saved["params"])
+            saved["params"] = jax.tree.unflatten(treedef, [leaves[0].at[0, 0].set(jnp.nan), *leaves[1:]])
+        return saved
+
+    monkeypatch.setattr(loop, "_checkpoint_state", nan_at_step_2)
+    with pytest.raises(loop.TrainingDiverged, match=r"^RL step 2: checkpoint 2 not saved: non-finite values in "
+                                                    r"params\.embed_tokens\.weight\.value; the last checkpoint in .* "
+                                                    r"holds the last good"):
+        _run(tmp_path, monkeypatch, "sft.steps=1", "rl.steps=3", "rl.minibatches=1", "rl.micro_batches=1",
+             "checkpoint.every=1")
+    assert loop.Checkpointer.newest(tmp_path / "checkpoints") == 1
+
+
 def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, monkeypatch):
     """Each non-finite step is skipped and logged (`train/skipped`); rl.max_consecutive_skips of them in a row
     stop the run with the step numbers and the setting, and the process gets its SIGTERM handler back."""
