@@ -1,7 +1,6 @@
 """Checkpoints verified on restore: a byte flipped in the array data never restores as other values, a state
 with non-finite arrays is never saved, and retention keeps the newest intact checkpoint."""
 
-import json
 import logging
 import os
 import shutil
@@ -141,7 +140,7 @@ def test_retention_keeps_the_newest_intact_checkpoint_past_damaged_newer_ones(tm
     first.save(2, _state(2), {})
     first.save(3, _state(3), {})
     first.close()
-    embed = None
+    error = None
     for path in _data_files(tmp_path / "3"):  # damage an array value: the flip the digests see
         for position in range(os.path.getsize(path) // 4, os.path.getsize(path), 97):
             shutil.copy(path, path + ".bak")
@@ -149,15 +148,15 @@ def test_retention_keeps_the_newest_intact_checkpoint_past_damaged_newer_ones(tm
             try:
                 Checkpointer(tmp_path, keep=2).restore(3, _state())
             except CheckpointDamaged as e:
-                embed = str(e)
+                error = str(e)
                 break
             except Exception:  # noqa: BLE001  unreadable: try another byte
                 pass
             shutil.move(path + ".bak", path)
-        if embed:
+        if error:
             os.remove(path + ".bak")
             break
-    assert embed and "does not match" in embed
+    assert error and "does not match" in error
 
     checkpointer = Checkpointer(tmp_path, keep=2)
     with pytest.raises(CheckpointDamaged, match=r"^checkpoint 3: array "):
@@ -184,4 +183,3 @@ def test_a_checkpoint_without_digests_restores_unverified_with_a_warning(tmp_pat
         restored, metadata = Checkpointer(tmp_path).restore(None, _state())
     assert metadata == {"rl_step": 4} and _same(restored, _state())
     assert "checkpoint 4" in caplog.text and "no array digests" in caplog.text
-    assert not json.dumps(metadata).startswith("[")
