@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 import models
 from jaxrl import configlib, dynamic_sampling, evaluation, losses, rewards
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import Checkpointer, NonFiniteState
 from jaxrl.config import Config, OptimConfig
 from jaxrl.convert import RUN_MODEL_FILE, describe_source, load_policy
 from jaxrl.data import arithmetic
@@ -325,7 +325,7 @@ def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: f
 
 
 # Metrics of an optimizer update as a whole, averaged over the updates without weighting by their tokens.
-_PER_UPDATE_METRICS = ("skipped", "grad_norm", "critic_grad_norm")
+_PER_UPDATE_METRICS = ("skipped", "nonfinite_update", "grad_norm", "critic_grad_norm")
 
 
 def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
@@ -471,7 +471,8 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         if is_primary():
             _set_aside(checkpointer.directory, damaged, os.path.join(out, "damaged_checkpoints"))
         wait_for_all_processes("jaxrl: damaged checkpoints set aside")
-        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
+        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep,
+                                    intact=[resume_step])
     metrics_path = _metrics_path(out)  # each process keeps its own records: process_<i>/ for i > 0
     if resume_step is None:
         _remove_records(metrics_path)
@@ -867,9 +868,13 @@ def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, po
 
     def save(step: int, phase: str) -> None:
         flush()  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
-        checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
-                          {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
-                           "totals": dict(totals), "consecutive_skips": consecutive_skips})
+        try:
+            checkpointer.save(step, _checkpoint_state(state, controls, ref_policy if keep_ref else None),
+                              {"phase": phase, "rl_step": step, "prompt_iterator": iterator_after_step,
+                               "totals": dict(totals), "consecutive_skips": consecutive_skips})
+        except NonFiniteState as e:  # never a checkpoint to resume from
+            raise TrainingDiverged(f"RL step {step}: {e}; the last checkpoint in {checkpointer.directory} holds "
+                                   "the last good parameters") from None
 
     bar = tqdm(range(first_step, rl.steps + 1), desc="RL", disable=not config.progress, dynamic_ncols=True,
                initial=first_step - 1, total=rl.steps)
@@ -952,14 +957,16 @@ def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, po
             consecutive_skips = consecutive_skips + 1 if metrics["skipped"] > 0 else 0
             if metrics["skipped"] > 0:
                 totals["skipped_updates_total"] += int(round(metrics["skipped"] * rl.epochs * rl.minibatches))
-                log.warning("RL step %d: %.0f%% of its optimizer updates skipped (non-finite loss or gradients; "
-                            "parameters left as they were)", step, 100 * metrics["skipped"])
+                log.warning("RL step %d: %.0f%% of its optimizer updates skipped (%.0f%% for an update that would "
+                            "make parameters non-finite, the rest for a non-finite loss or gradient; parameters "
+                            "left as they were)", step, 100 * metrics["skipped"],
+                            100 * metrics.get("nonfinite_update", 0.0))
                 if consecutive_skips >= rl.max_consecutive_skips:
                     raise TrainingDiverged(
                         f"RL steps {step - consecutive_skips + 1}..{step}: {consecutive_skips} consecutive steps "
-                        f"with non-finite loss or gradients (rl.max_consecutive_skips = "
+                        f"with non-finite loss, gradients or updated parameters (rl.max_consecutive_skips = "
                         f"{rl.max_consecutive_skips}); the last checkpoint in {config.output_dir}/checkpoints "
-                        "holds the last good parameters")
+                        "holds the last good parameters (a checkpoint is never saved with non-finite arrays)")
             if loss_config.adaptive:
                 if "entropy" not in metrics:
                     raise ValueError("entropy_target / temperature_target_entropy need the loss to report an "

@@ -3,6 +3,7 @@ the parameters, optimizer state and metrics of a run that was never interrupted;
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,19 @@ def _damage(state_dir):
                 for f in files:
                     with open(os.path.join(root, f), "wb") as handle:
                         handle.write(b"garbage")
+
+
+def _flip_a_byte(state_dir):
+    """Flip one bit of the middle byte of the largest data file of a checkpoint's `state` directory: inside the
+    compressed chunks of its largest arrays, a change that orbax restores as other values without an error."""
+    files = [os.path.join(root, f) for root, _, names in os.walk(state_dir) for f in names
+             if os.path.basename(root) == "d"]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
 
 
 def _interrupted(out, sig, after_step: int, *extra):
@@ -199,18 +213,26 @@ if __name__ == "__main__":
 
 
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(tmp_path):
-    """Checkpoints 4 and 8, the newer damaged: the run resumes from 4, moves 8 to damaged_checkpoints/ (where
-    orbax would keep it from saving steps up to 8), and steps 5-8 come out as they did the first time."""
+    """Checkpoints 4 and 8 (checkpoint.keep=2), one byte flipped in 8's array data, which orbax alone restores
+    as other values: its digests name the array, the run resumes from 4, moves 8 to damaged_checkpoints/ (where
+    orbax would keep it from saving steps up to 8), steps 5-8 come out as they did the first time, and 4 is
+    still there after the resumed run's saves."""
     out = tmp_path / "run"
-    first = _train(out, "rl.steps=8")
+    first = _train(out, "rl.steps=8", "checkpoint.keep=2")
     assert first.returncode == 0, first.stderr[-3000:]
     saved, records = _state(out, 8), _rl_records(out)
-    _damage(out / "checkpoints" / "8" / "state")
+    _flip_a_byte(out / "checkpoints" / "8" / "state")
+    assert any((x != y).any() for (_, x), (_, y) in zip(jax_leaves(_state(out, 8)), jax_leaves(saved))), \
+        "the flipped byte should restore as other values without the digests"
 
-    resumed = _train(out, "rl.steps=8", "resume=true")
+    resumed = _train(out, "rl.steps=8", "checkpoint.keep=2", "resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "cannot restore checkpoint 8" in resumed.stderr and "from the older checkpoint 4" in resumed.stderr
+    warnings = [line for line in resumed.stderr.splitlines() if "cannot restore checkpoint 8" in line]
+    assert len(warnings) == 1 and "from the older checkpoint 4" in warnings[0], resumed.stderr[-3000:]
+    assert re.search(r"CheckpointDamaged: checkpoint 8: array \S+ \(saved [0-9a-f]{16}, read [0-9a-f]{16}\) does not "
+                     r"match its digest; resuming", warnings[0]), warnings[0]
     assert "resuming" in resumed.stderr and "after RL step 4" in resumed.stderr
     assert sorted(os.listdir(out / "damaged_checkpoints")) == ["8"]
+    assert sorted(int(d) for d in os.listdir(out / "checkpoints") if d.isdigit()) == [4, 8]
     _assert_same_state(_state(out, 8), saved)
     assert _rl_records(out) == records

@@ -349,6 +349,88 @@ def test_a_step_with_a_planted_nan_is_skipped_and_leaves_the_state_untouched():
     assert _relative_error(trained.policy.params, state.policy.params) > 0
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donating"])
+def test_an_update_that_overflows_is_skipped_and_leaves_the_state_untouched(donate):
+    """Finite loss and gradients, but float16 parameters and a learning rate of 1e5 (Adam's first update is
+    about +-lr per element, beyond float16's 65504): the step drops the update whole, reports `skipped` and
+    `nonfinite_update`, and returns the very same parameters, optimizer state and step count, also when it
+    donates its input state. The same update of float32 parameters is finite, and applied."""
+    from jaxrl.train import make_optimizer, make_rl_step
+
+    policy = models.init(MODEL, 0)
+    optimizer = make_optimizer(1e5)
+    step = make_rl_step(optimizer, losses.build_loss(LossConfig(preset="grpo")), norm_length=N, donate=donate)
+    controls = Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    batch = _batch(policy)
+
+    half = init_train_state(policy.replace(params=jax.tree.map(lambda x: x.astype(jnp.float16), policy.params)),
+                            optimizer)
+    expected = jax.device_get(half)  # on the host: a donating step deletes its input
+    after, metrics = step(half, batch, controls)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["skipped"]) == 1.0 and float(metrics["nonfinite_update"]) == 1.0
+    assert int(after.step) == 0
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    trained, metrics = step(init_train_state(policy, optimizer), batch, controls)
+    assert float(metrics["skipped"]) == 0.0 and float(metrics["nonfinite_update"]) == 0.0
+    assert int(trained.step) == 1 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trained))
+    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(trained.policy.params)) > 65504
+
+
+def test_a_run_whose_update_turns_non_finite_never_saves_it(tmp_path, monkeypatch):
+    """A test hook scales every optimizer update from the second on by NaN (loss and gradients stay finite):
+    after one warm-start update, which the hook leaves alone, RL update 1 trains, updates 2 and 3 are skipped
+    (`train/skipped`, `train/nonfinite_update`), the run stops after rl.max_consecutive_skips = 2 of them, and
+    every saved checkpoint holds finite arrays: checkpoint 2 holds the parameters of update 1, which the
+    skipped update left as they were."""
+    import orbax.checkpoint as ocp
+
+    def nan_from_the_second_update(config):
+        nan_after_first = optax.scale_by_schedule(lambda count: jnp.where(count >= 1, jnp.nan, 1.0))
+        return optax.chain(loop.make_optimizer(**dataclasses.asdict(config)), nan_after_first)
+
+    monkeypatch.setattr(loop, "optimizer_from", nan_from_the_second_update)
+    with pytest.raises(loop.TrainingDiverged, match=r"RL steps 2..3: 2 consecutive steps with non-finite loss, "
+                                                    r"gradients or updated parameters"):
+        _run(tmp_path, monkeypatch, "sft.steps=1", "rl.steps=4", "rl.minibatches=1", "checkpoint.every=1",
+             "checkpoint.keep=3", "rl.max_consecutive_skips=2")
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
+    assert [(r["step"], r["train/skipped"], r["train/nonfinite_update"]) for r in records] == [
+        (1, 0.0, 0.0), (2, 1.0, 1.0)]  # step 3 stopped the run before its record
+    assert all(np.isfinite(r["train/loss"]) and np.isfinite(r["train/grad_norm"]) for r in records)
+    steps = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert steps == [1, 2]  # and before its save
+    saved = {s: ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / "checkpoints" / str(s) / "state"))
+             for s in steps}
+    for s in steps:
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved[s])), s
+    for a, b in zip(jax.tree.leaves(saved[1]["params"]), jax.tree.leaves(saved[2]["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_non_finite_state_at_a_save_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch):
+    """Whatever made it (a hook here plants a NaN in the state the run saves at step 2), a non-finite state is
+    not saved: the run stops naming the step and the array, and checkpoint 1 stays the newest."""
+    real = loop._checkpoint_state
+
+    def nan_at_step_2(state, *args):
+        saved = real(state, *args)
+        if int(state.step) == 2:  # the first array of the parameters, the embedding: one NaN
+            leaves, treedef = jax.tree.flatten(saved["params"])
+            saved["params"] = jax.tree.unflatten(treedef, [leaves[0].at[0, 0].set(jnp.nan), *leaves[1:]])
+        return saved
+
+    monkeypatch.setattr(loop, "_checkpoint_state", nan_at_step_2)
+    with pytest.raises(loop.TrainingDiverged, match=r"^RL step 2: checkpoint 2 not saved: non-finite values in "
+                                                    r"params\.embed_tokens\.weight\.value; the last checkpoint in .* "
+                                                    r"holds the last good"):
+        _run(tmp_path, monkeypatch, "sft.steps=1", "rl.steps=3", "rl.minibatches=1", "rl.micro_batches=1",
+             "checkpoint.every=1")
+    assert loop.Checkpointer.newest(tmp_path / "checkpoints") == 1
+
+
 def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, monkeypatch):
     """Each non-finite step is skipped and logged (`train/skipped`); rl.max_consecutive_skips of them in a row
     stop the run with the step numbers and the setting, and the process gets its SIGTERM handler back."""
@@ -361,8 +443,9 @@ def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, mon
         value, metrics = grpo(inputs, norm, controls)
         return value * jnp.nan, metrics
 
-    with pytest.raises(loop.TrainingDiverged, match=r"RL steps 1..2: 2 consecutive steps with non-finite loss "
-                                                    r"or gradients \(rl.max_consecutive_skips = 2\)"):
+    with pytest.raises(loop.TrainingDiverged, match=r"RL steps 1..2: 2 consecutive steps with non-finite loss, "
+                                                    r"gradients or updated parameters \(rl.max_consecutive_skips = "
+                                                    r"2\)"):
         _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", loss=always_nan)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
     assert [(r["step"], r["train/skipped"], r["train/grad_norm"]) for r in records] == [(1, 1.0, None)]
