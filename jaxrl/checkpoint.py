@@ -44,6 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl.sharding import process_max
+from models.safe_read import read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,27 @@ class _KeepNewestIntact:
         if newest_intact is not None:
             kept.add(newest_intact)
         return [s in kept for s in steps]
+
+
+def verify_saved_arrays(step_dir: str | os.PathLike, tree: Any) -> None:
+    """Check the arrays of `tree`, a part of the state restored from the checkpoint `step_dir` (e.g.
+    `{"params": params}`, read in their saved dtypes), against the digests saved with it. For readers other
+    than `Checkpointer.restore` (`jaxrl eval`, `pretrained.path=<run>`). Raises `CheckpointDamaged` naming the
+    step directory and the arrays; a checkpoint saved before digests existed passes with a warning."""
+    digests_file = os.path.join(step_dir, "digests", "metadata")
+    if not os.path.isdir(os.path.join(step_dir, "digests")):
+        log.warning("checkpoint %s has no array digests (saved before they were written): read unverified", step_dir)
+        return
+    try:
+        saved = _parse_digests(read_json_file(digests_file, error=ValueError))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointDamaged(f"checkpoint {step_dir}: its digests do not read ({type(e).__name__}: {e})") from None
+    found, _ = _digests_and_finite(tree)
+    wrong = [name for name in found if name not in saved or saved[name][1] != found[name]["digest"]]
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise CheckpointDamaged(f"checkpoint {step_dir}: {', '.join(wrong[:3])}{more} "
+                                "do not match the digests saved with it")
 
 
 def _name(path: tuple) -> str:

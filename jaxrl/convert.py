@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import models
 from jaxrl import configlib
+from jaxrl.checkpoint import CheckpointDamaged, verify_saved_arrays
 from models.configs import ModelConfig
 from models.hf import CheckpointError, copy_non_weight_files, load_config
 from models.safe_read import read_json_file
@@ -255,8 +256,15 @@ def _restore(config: ModelConfig, item_dir: str, subtree: str | None, dtype: str
         restored = ocp.PyTreeCheckpointer().restore(item_dir, args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
             partial_restore=subtree is not None))
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{where}: cannot restore the parameters: {e}") from None
+    except Exception as e:  # noqa: BLE001  orbax and tensorstore raise many types (a bare Exception too) for
+        # missing or damaged files: one line naming the checkpoint, never a traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{where}: cannot restore the parameters: {first}") from None
+    if subtree is not None:  # a run's checkpoint: its arrays carry digests (checked before any cast)
+        try:
+            verify_saved_arrays(os.path.dirname(item_dir), {subtree: restored[subtree]})
+        except CheckpointDamaged as e:
+            raise CheckpointError(str(e)) from None
     params = restored[subtree] if subtree is not None else restored
     if dtype is not None and (dtype, dtype) != (config.param_dtype, config.dtype):
         config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)

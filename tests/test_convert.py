@@ -152,6 +152,32 @@ def test_load_policy_from_every_kind_of_source(tmp_path):
     assert models.forward(loaded, tokens).shape == (1, 8, loaded.config.vocab_size)
 
 
+def test_a_flipped_byte_in_a_run_checkpoint_is_refused_by_load_policy(tmp_path):
+    # `jaxrl eval` and `pretrained.path=<run>` read a run's parameters without `Checkpointer.restore`: a byte
+    # flipped in the array data loaded as other values. Each flip now either fails to load, naming the
+    # digests, or (a byte of the optimizer state, or one orbax never reads) loads the saved values exactly.
+    run = tmp_path / "run"
+    expected = make_run(run, "qwen2", steps=(3,))
+    state_dir = run / "checkpoints" / "3" / "state"
+    path = max((os.path.join(root, f) for root, _, files in os.walk(state_dir) for f in files
+                if os.path.basename(root) == "d"), key=os.path.getsize)
+    size, refused = os.path.getsize(path), 0
+    for position in range(size // 16, size, size // 8):
+        with open(path, "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)[0]
+            f.seek(position)
+            f.write(bytes([byte ^ 0x10]))
+        try:
+            assert_same_params(load_policy(run), expected)
+        except CheckpointError as e:
+            refused += "do not match the digests" in str(e) or "cannot restore" in str(e)
+        with open(path, "r+b") as f:  # undo, so each flip is alone
+            f.seek(position)
+            f.write(bytes([byte]))
+    assert refused, "no flip in the largest data file was refused"
+
+
 def test_run_to_hf_with_and_without_base(tmp_path):
     run = tmp_path / "run"
     expected = make_run(run, "gemma3")
