@@ -316,7 +316,9 @@ def _digests_and_finite(tree: Any) -> tuple[dict[str, dict], dict[str, bool]]:
     results = []
     for x in leaves:
         results.append(_checker(_replicated(x))(x))
-        if jax.process_count() > 1:  # one cross-process program in flight at a time: more can deadlock (gloo)
+        # One collective program in flight at a time: several deadlock gloo across processes, and starve XLA's
+        # CPU rendezvous within one (8 host devices on 2 cores: "only 5 of 8 arrived" within its 40 s).
+        if jax.process_count() > 1 or len(x.sharding.device_set) > 1:
             jax.block_until_ready(results[-1])
     # replicated: every process holds the whole result; one transfer of them all
     digests, finite = jax.device_get(([d.addressable_data(0) for d, _ in results],

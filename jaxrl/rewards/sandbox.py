@@ -322,7 +322,9 @@ run_script(sys.argv[1])
 # until REQUEST_FD closes. Messages are a 4-byte big-endian length and the payload. The
 # program shares this process and may rewrite any of it, or answer itself: that only changes the values
 # it sends, which it controls anyway. The caller decodes them as untrusted data and decides. An exception
-# while the program runs, ``SystemExit`` included, exits with status 1 before "ready".
+# while the program runs, ``SystemExit`` included, exits with status 1 before "ready". A child the program
+# forks (possible only where the no-fork filter is missing) exits silently instead of serving: two readers
+# of one request pipe would split its messages.
 _ASSERT_HARNESS = _QUIT_BUILTINS + assert_check.CODEC_SOURCE + r"""
 import marshal, os
 
@@ -352,6 +354,7 @@ def _builtin_name(e):
 
 
 def serve(case_fd, request_fd, reply_fd, max_reply):
+    harness_pid = os.getpid()  # a child the program forks must not read requests: it would split them
     with os.fdopen(case_fd, "rb") as f:
         codes = marshal.loads(f.read())
     try:
@@ -364,11 +367,15 @@ def serve(case_fd, request_fd, reply_fd, max_reply):
         sys.modules["__main__"], sys.argv = main, ["prog.py"]
         exec(program, main.__dict__)
     except BaseException as e:  # SystemExit too: the program did not finish
+        if os.getpid() != harness_pid:
+            os._exit(0)
         try:
             sys.__excepthook__(type(e), e, e.__traceback__)
         except BaseException:
             pass
         os._exit(1)
+    if os.getpid() != harness_pid:
+        os._exit(0)
     sys.settrace(None)
     sys.setprofile(None)
     _send(reply_fd, '["ready"]')
@@ -382,12 +389,16 @@ def serve(case_fd, request_fd, reply_fd, max_reply):
         try:
             result = eval(compiled[index], main.__dict__)
         except BaseException as e:
+            if os.getpid() != harness_pid:
+                os._exit(0)
             try:
                 args = encode(list(e.args))
             except BaseException:
                 args = "[]"
             _send(reply_fd, '["raise",%s,%s]' % (encode(_builtin_name(e)), args))
             continue
+        if os.getpid() != harness_pid:
+            os._exit(0)
         try:
             reply = '["ok",%s]' % encode(result)
             if len(reply.encode("utf-8")) > max_reply:
