@@ -563,8 +563,9 @@ def test_pool_warm_up_failure_stops_the_pool():
 def test_math_rewards_warm_up_the_symbolic_checker():
     from jaxrl.rewards import math as math_rewards
 
-    assert math_verify.warm_up is math_rewards.warm_up and arithmetic_reward.warm_up is math_rewards.warm_up
-    math_rewards.warm_up()  # raises if the checker cannot compare x + 1 with 1 + x
+    assert math_verify.warm_up is math_rewards.warm_up
+    assert arithmetic_reward.warm_up is math_rewards._warm_up_sympy  # numbers never need Math-Verify's reader
+    math_rewards.warm_up()  # raises if the checker cannot compare x + 1 with 1 + x, or read a matrix
 
 
 def test_pool_survives_misbehaving_reward_fn():

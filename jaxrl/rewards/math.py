@@ -1173,13 +1173,18 @@ def arithmetic_reward(completion: str, reference: str) -> float:
         return 0.0
 
 
-def warm_up() -> None:
-    """Load and run the symbolic checker and Math-Verify's reader once: sympy's import and parser take 0.2-0.7 s in a fresh process on
+def _warm_up_sympy() -> None:
+    """Load and run the symbolic checker once: sympy's import and parser take 0.2-0.7 s in a fresh process on
     a 2-core CPU (longer where sympy's bytecode is not cached). `RewardPool` workers call this before they
-    report ready (the `warm_up` attribute below), so the cost never falls inside an item's timeout."""
+    report ready (the `warm_up` attributes below), so the cost never falls inside an item's timeout."""
     if not is_equivalent("x + 1", "1 + x"):
         raise RuntimeError("the symbolic answer checker failed its warm-up comparison (x + 1 == 1 + x)")
-    # Math-Verify's reader (latex2sympy2 + ANTLR) takes another ~0.4 s to import and build its parser.
+
+
+def warm_up() -> None:
+    """`_warm_up_sympy`, then Math-Verify's reader (latex2sympy2 + ANTLR: another ~0.4 s to import and build
+    its parser), which `math_verify` hands the LaTeX our own reader refuses (matrices, unions, binomials)."""
+    _warm_up_sympy()
     try:
         import math_verify as _  # noqa: F401
     except ImportError as e:
@@ -1190,4 +1195,5 @@ def warm_up() -> None:
 
 
 math_verify.warm_up = warm_up
-arithmetic_reward.warm_up = warm_up
+# Arithmetic answers are numbers: Math-Verify's reader is loaded only if a completion ever needs it.
+arithmetic_reward.warm_up = _warm_up_sympy
