@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -220,21 +221,38 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
 
 
+# A state of up to this many bytes (parameters and optimizer state) is updated in one pass, its old value kept
+# beside the new one until the finite check: twice a small state for a moment costs nothing, and the step compiles
+# the optimizer once. A larger one is updated in two passes, so that a donated state is still written in place.
+ONE_PASS_MAX_STATE_BYTES = 1 << 28
+
+
+def _state_bytes(state: TrainState) -> int:
+    leaves = jax.tree.leaves((state.policy.params, state.opt_state,
+                              None if state.critic is None else state.critic.params, state.critic_opt_state))
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in leaves
+               if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
 def _apply_if_finite(state: TrainState, update: Callable[[], TrainState], finite: jax.Array
                      ) -> tuple[TrainState, jax.Array]:
     """`(update(), True)` when `finite` (the loss and gradients were) and every parameter and optimizer-state
     array of `update()` is finite, else `(state, False)`: an update that overflows (a huge learning rate,
     float16) is dropped whole, as optax's `apply_if_finite` drops non-finite gradients.
 
-    Two passes, each a `lax.cond` inside the jitted step (so it holds when the step donates `state`): the
-    first computes the update only to reduce it to one bool, the second computes it again and writes it. A
-    select `where(ok, new, old)` would need the old and the new state alive at once, undoing the donation's
-    saving (measured: +0.8x the state's bytes of temporaries); recomputing costs one more pass over it."""
-    def check() -> jax.Array:
-        new = update()
+    Up to `ONE_PASS_MAX_STATE_BYTES`: one pass and a select. Above: two passes, each a `lax.cond` inside the
+    jitted step (so it holds when the step donates `state`): the first computes the update only to reduce it to
+    one bool, the second computes it again and writes it. A select would need the old and the new state alive
+    at once, undoing the donation's saving (measured: +0.8x the state's bytes of temporaries); the second pass
+    costs one more pass over the state, and the optimizer is compiled twice (+1 to 2 s for a tiny model)."""
+    def is_finite(new: TrainState) -> jax.Array:
         return all_finite((new.policy.params, new.opt_state, None if new.critic is None else new.critic.params,
                            new.critic_opt_state))
-    ok = jax.lax.cond(finite, check, lambda: jnp.bool_(False))
+    if _state_bytes(state) <= ONE_PASS_MAX_STATE_BYTES:
+        new = update()
+        ok = finite & is_finite(new)
+        return jax.lax.cond(ok, lambda: new, lambda: state), ok
+    ok = jax.lax.cond(finite, lambda: is_finite(update()), lambda: jnp.bool_(False))
     return jax.lax.cond(ok, update, lambda: state), ok
 
 

@@ -349,13 +349,19 @@ def test_a_step_with_a_planted_nan_is_skipped_and_leaves_the_state_untouched():
     assert _relative_error(trained.policy.params, state.policy.params) > 0
 
 
+@pytest.mark.parametrize("passes", [1, 2], ids=["one_pass", "two_passes"])
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donating"])
-def test_an_update_that_overflows_is_skipped_and_leaves_the_state_untouched(donate):
+def test_an_update_that_overflows_is_skipped_and_leaves_the_state_untouched(donate, passes, monkeypatch):
     """Finite loss and gradients, but float16 parameters and a learning rate of 1e5 (Adam's first update is
     about +-lr per element, beyond float16's 65504): the step drops the update whole, reports `skipped` and
     `nonfinite_update`, and returns the very same parameters, optimizer state and step count, also when it
-    donates its input state. The same update of float32 parameters is finite, and applied."""
+    donates its input state. The same update of float32 parameters is finite, and applied. Both ways of
+    checking: one pass and a select (small states), and two passes (states over ONE_PASS_MAX_STATE_BYTES)."""
+    from jaxrl import train
     from jaxrl.train import make_optimizer, make_rl_step
+
+    if passes == 2:
+        monkeypatch.setattr(train, "ONE_PASS_MAX_STATE_BYTES", 0)
 
     policy = models.init(MODEL, 0)
     optimizer = make_optimizer(1e5)
