@@ -272,6 +272,17 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What `jaxrl plan` needs beyond the recipe to compile its programs for a topology (see jaxrl.plan)."""
+
+    # A models.PRESETS name whose shape stands in for `pretrained.path` when that checkpoint is not on this
+    # machine (planning uses random weights). None: the checkpoint's config.json, or `model` without one.
+    model: str | None = None
+    prompt_len: int = _field(512, gt=0)  # the longest padded prompt of the data, in tokens (its largest bucket)
+    topology: str | None = None  # default for `--topology`, e.g. v5e:8x8
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = _field(0, ge=0, le=2**32 - 1)  # the data shuffle (grain) takes 32 bits
     output_dir: str = "runs/default"
@@ -295,6 +306,7 @@ class Config:
     mesh: MeshConfig = _section(MeshConfig)
     distributed: DistributedConfig = _section(DistributedConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    plan: PlanConfig = _section(PlanConfig)
 
     def validate(self) -> None:
         if not self.output_dir.strip():
