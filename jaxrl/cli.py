@@ -1,5 +1,6 @@
 """`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl eval CONFIG checkpoint=PATH [key=value ...]`,
-`jaxrl convert SRC DST [options]`, `jaxrl bench sample|train [options]`."""
+`jaxrl convert SRC DST [options]`, `jaxrl plan CONFIG [key=value ...] --topology NAME`, `jaxrl bench sample|train
+[options]`."""
 
 from __future__ import annotations
 
@@ -95,6 +96,20 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from jaxrl.config import Config
+
+    try:
+        config = load_config(Config, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"jaxrl: configuration error: {e}", file=sys.stderr)
+        return 2
+    from jaxrl.plan import command
+
+    return command(config, args.config, args.overrides, topology=args.topology, slices=args.slices,
+                   suggest=not args.no_suggest, json_only=args.json)
+
+
 def _bench_sample(args: argparse.Namespace) -> int:
     from jaxrl.bench import run_sample  # jax is imported when the benchmark runs
 
@@ -143,6 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "2GiB or bytes (default: 5GiB)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     convert.set_defaults(handler=_convert)
+    plan = commands.add_parser(
+        "plan", help="compile one RL step for a TPU topology or the attached GPUs: memory, FLOPs, time, fit",
+        description="Compile every program of one RL step of a recipe ahead of time (sampler, log-probs, train "
+                    "step, critic) for a TPU topology on this machine (needs libtpu) or for the attached GPUs, and "
+                    "print per-chip memory, FLOPs, collectives, a roofline step time and MFU, and whether it fits; "
+                    "if not, the cheapest change that does, checked by planning again. Exit 0: fits; 1: does not; "
+                    "2: bad input.")
+    plan.add_argument("config", help="YAML recipe, e.g. configs/qwen2.5-7b-math-v5e64.yaml")
+    plan.add_argument("overrides", nargs="*", default=[], metavar="key=value")
+    plan.add_argument("--topology", help="TPU slice (v5e:2x2, v5e:8x8, v5p:4x4x4, v6e:4x4, ...) or 'gpu' for the "
+                      "attached GPUs (default: the recipe's plan.topology)")
+    plan.add_argument("--slices", type=int, default=1, help="TPU slices joined over the data-center network "
+                      "(default 1)")
+    plan.add_argument("--no-suggest", action="store_true", help="do not search for a change when it does not fit")
+    plan.add_argument("--json", action="store_true", help="print only the JSON line")
+    plan.set_defaults(handler=_plan)
     bench = commands.add_parser("bench", help="benchmarks (random weights, fixed workloads)",
                                 description="Benchmarks on random weights; each prints one JSON line, then a table.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)

@@ -1,0 +1,169 @@
+"""Per-chip figures of one compiled program: memory, FLOPs, collectives, and a roofline time.
+
+Memory is XLA's own account of the compiled, partitioned program (`compiled.memory_analysis()`, per device):
+arguments + outputs - donated (aliased) buffers + temporaries + the program's code, plus the state that
+stays resident in device memory while the program runs without being one of its arguments (the optimizer
+state while sampling, say). FLOPs and bytes accessed are XLA's cost analysis of the same program; the
+collectives are read from its optimized HLO (`jaxrl.plan.hlo`).
+
+The roofline time of a call is `max(FLOPs / peak FLOP/s, bytes / HBM bandwidth, collective traffic / ICI
+bandwidth)`: the time the chip cannot beat if compute, memory traffic and communication overlap perfectly. It
+is a lower bound; the MFU computed from it an upper bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax.numpy as jnp
+
+from jaxrl.plan import hlo
+from jaxrl.plan.chips import ChipSpec
+from jaxrl.plan.programs import Program
+
+UNEXPECTED_FRACTION = 0.01  # a collective larger than this share of the model state must be one we expect
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramEstimate:
+    """Figures of one program per chip: bytes, FLOPs and seconds of one call (`repeats` included)."""
+
+    name: str
+    calls_per_step: float
+    repeats: int
+    timed: bool
+    note: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    resident_elsewhere_bytes: int
+    flops: float  # per chip, one call (all repeats)
+    bytes_accessed: float
+    collectives: dict  # kind -> {"count", "bytes", "traffic_bytes"}, one call (all repeats)
+    kernels: dict  # Pallas kernel name -> executions per call
+    unexpected: tuple[str, ...]  # collectives over UNEXPECTED_FRACTION of the state that no rule explains
+    model_flops: float  # all chips, one call
+    compute_s: float
+    memory_s: float
+    comm_s: float
+
+    @property
+    def program_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The program's own peak plus the state resident beside it: what must fit in one chip's HBM."""
+        return self.program_bytes + self.resident_elsewhere_bytes
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s, self.comm_s)
+
+    @property
+    def bound(self) -> str:
+        """What limits the roofline time: compute, memory (HBM) or communication (ICI)."""
+        return max((self.compute_s, "compute"), (self.memory_s, "memory"), (self.comm_s, "collectives"))[1]
+
+    @property
+    def traffic_bytes(self) -> int:
+        return sum(c["traffic_bytes"] for c in self.collectives.values())
+
+
+def compile_program(program: Program):
+    """`(compiled, seconds)`: the program lowered and compiled for its arguments' devices."""
+    start = time.perf_counter()
+    compiled = program.lower().compile()
+    return compiled, time.perf_counter() - start
+
+
+def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resident_elsewhere_bytes: int,
+             state_bytes: int, expected_shapes: set[tuple[int, ...]]) -> ProgramEstimate:
+    """The figures of `program` compiled as `compiled` on chips of `chip`.
+
+    `state_bytes`: the whole model state (all chips) that `UNEXPECTED_FRACTION` is a share of;
+    `expected_shapes`: array shapes whose collectives are explained by the sharding rules (each parameter's
+    full and per-chip shape: FSDP's per-layer gathers and the gradients' reductions).
+    """
+    memory = compiled.memory_analysis()
+    cost = _cost(compiled)
+    text = compiled.as_text()
+    found = hlo.collectives(text)
+    repeats = program.repeats
+    summary = {kind: {k: v * repeats for k, v in figures.items()} for kind, figures in hlo.summarize(found).items()}
+    kernels = {name: count * repeats for name, count in hlo.pallas_kernels(text).items()}
+    flops = float(cost.get("flops", 0.0)) * repeats
+    bytes_accessed = float(cost.get("bytes accessed", 0.0)) * repeats
+    traffic = sum(c["traffic_bytes"] for c in summary.values())
+    return ProgramEstimate(
+        name=program.name, calls_per_step=program.calls_per_step, repeats=repeats, timed=program.timed,
+        note=program.note, compile_s=compile_s,
+        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes), resident_elsewhere_bytes=resident_elsewhere_bytes,
+        flops=flops, bytes_accessed=bytes_accessed, collectives=summary, kernels=kernels,
+        unexpected=unexpected_collectives(found, state_bytes, expected_shapes),
+        model_flops=program.model_flops * repeats,
+        compute_s=flops / chip.peak_bf16_flops, memory_s=bytes_accessed / chip.hbm_bytes_per_s,
+        comm_s=traffic / chip.ici_bytes_per_s)
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    return dict(cost or {})
+
+
+def unexpected_collectives(found: list, state_bytes: int, expected_shapes: set[tuple[int, ...]]) -> tuple[str, ...]:
+    """Collectives moving more than `UNEXPECTED_FRACTION` of `state_bytes` in one execution whose array is not
+    one parameter (whole or per-chip shard): a gather of the whole model or of a whole KV cache, say."""
+    threshold = UNEXPECTED_FRACTION * state_bytes
+    flagged = []
+    for collective in found:
+        if collective.bytes <= threshold:
+            continue
+        if all(dims in expected_shapes for dims in _result_dims(collective.shape)):
+            continue
+        flagged.append(f"{collective.kind} {collective.shape} ({collective.bytes / 2**20:.1f} MiB"
+                       f"{f' x {collective.executions}' if collective.executions > 1 else ''}) in "
+                       f"{collective.computation}")
+    return tuple(flagged)
+
+
+def _result_dims(shape: str) -> list[tuple[int, ...]]:
+    """The dimensions of each array in an HLO shape string: `bf16[3584,512]` or `(f32[8], bf16[2,4]{1,0})`."""
+    dims = []
+    for part in shape.replace("(", "").replace(")", "").split("],"):
+        if "[" not in part:
+            continue
+        inside = part.split("[", 1)[1].split("]", 1)[0]
+        dims.append(tuple(int(d) for d in inside.split(",") if d.strip()))
+    return dims
+
+
+def expected_shapes(resident: dict) -> set[tuple[int, ...]]:
+    """Every resident array's full and per-chip shape, with its two trailing axes also swapped (a transposed
+    weight gathered for the backward pass), and the stacked per-layer shape of none: a gather of more than one
+    weight at once is not a per-layer gather."""
+    import jax
+
+    shapes = set()
+    for leaf in jax.tree.leaves(resident):
+        for dims in (tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))):
+            shapes.add(dims)
+            if len(dims) >= 2:
+                shapes.add((*dims[:-2], dims[-1], dims[-2]))
+    return shapes
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a tree of ShapeDtypeStructs over all chips (the arrays' full size)."""
+    import jax
+
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
