@@ -208,8 +208,9 @@ def mesh_for(topology: Topology, mesh_config) -> Mesh:
         except (ValueError, NotImplementedError, AssertionError) as e:
             raise _layout_error(data, fsdp, tensor, topology, e) from None
     if data % topology.slices:
-        raise PlanError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor}: the data axis spans the slices of "
-                        f"{topology.title}, so it must be a multiple of {topology.slices}")
+        raise PlanError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor}: the data axis spans the "
+                        f"{topology.slices} slices ({topology.name} each), so it must be a multiple of "
+                        f"{topology.slices}")
     split = topology.devices[0].device_kind in ("TPU v5 lite", "TPU v5e")  # as jax.make_mesh decides
     try:
         grid = mesh_utils.create_hybrid_device_mesh((data // topology.slices, fsdp, tensor), (topology.slices, 1, 1),
