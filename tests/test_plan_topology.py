@@ -1,6 +1,7 @@
 """jaxrl.plan.chips and jaxrl.plan.topology: topology names -> compile-only devices, the config's mesh over them,
 and a one-line PlanError for each bad input. No compiles: building a topology takes milliseconds."""
 
+import math
 import re
 import types
 
@@ -57,7 +58,9 @@ def test_two_slices_put_the_data_axis_across_slices():
     ("v5p:2x2", "v5p slices are 3-D (v5p:2x2x2), not 2-D"),
     ("v5e:32x32", "v5e slices go from 1 chip to 16x16 (256 chips)"),
     ("v5e:0x2", "v5e slices go from 1 chip to 16x16"),
-    ("v5litepod-16", "looks like a Cloud accelerator type; give the chip grid instead"),
+    ("v5litepod-64", "topology 'v5litepod-64' is a Cloud accelerator type (64 chips); its chip grid: v5e:8x8"),
+    ("v5p-32", "is a Cloud accelerator type (16 chips); its chip grid: v5p:2x2x4"),  # v5p types count TensorCores
+    ("v6e-12", "v6e-12' is a Cloud accelerator type (12 chips); give the chip grid instead"),
     # libtpu's own refusal, condensed to one line with the shapes that work
     ("v5e:3x3", "topology 'v5e:3x3' cannot be built (libtpu: Topology layout \"v5e:3x3\" is not divisible"),
 ])
@@ -122,3 +125,11 @@ def test_chip_figures_are_the_published_ones():
     assert (v6e.hbm_bytes, v6e.peak_bf16_flops, 2 * v6e.ici_bytes_per_s) == (32e9, 918e12, 800e9)
     assert (h100.peak_bf16_flops, h100.hbm_bytes_per_s, 2 * h100.ici_bytes_per_s) == (989.5e12, 3.35e12, 900e9)
     assert all(spec.source.startswith("https://") for spec in CHIPS.values())
+
+
+def test_the_documented_slice_shapes_build_with_one_device_per_chip():
+    for generation, shapes in topology.COMMON_SHAPES.items():
+        for shape in shapes:
+            chips = math.prod(int(side) for side in shape.split("x"))
+            if chips <= 256:  # larger ones take 0.02 s and more each
+                assert tpu_topology(f"{generation}:{shape}").num_chips == chips, (generation, shape)

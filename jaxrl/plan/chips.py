@@ -79,7 +79,6 @@ DEVICE_KINDS: dict[str, str] = {
     "TPU v5": "v5p",
     "TPU v5p": "v5p",
     "TPU v6 lite": "v6e",
-    "TPU v6e": "v6e",
     "NVIDIA H100 80GB HBM3": "H100",
     "NVIDIA H200": "H200",
     "NVIDIA A100-SXM4-80GB": "A100",

@@ -50,8 +50,17 @@ TPU_GENERATIONS: dict[str, _Generation] = {
     "v5p": _Generation("v5p", 3, (16, 16, 24), 4),
 }
 EXAMPLES = "v5e:2x2, v5e:8x8, v5p:4x4x4, v6e:4x4"
+# The slice shapes the Cloud TPU pages list (v5p: the common ones of its table).
+COMMON_SHAPES: dict[str, tuple[str, ...]] = {
+    "v5e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v6e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16",
+            "16x16x16", "16x16x24"),
+}
 _NAME = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)*)$")
-_ACCELERATOR_TYPE = re.compile(r"^(v\d+[a-z]*)-(\d+)$")  # v5litepod-16, v5p-32, v6e-8: Cloud's type names
+# Cloud accelerator types (v5litepod-16, v6e-8: chips; v5p-32: TensorCores, two per chip) -> (generation, per chip)
+_ACCELERATOR_TYPE = re.compile(r"^(v5litepod|v5e|v6e|v5p)-(\d+)$")
+_TYPE_UNITS = {"v5litepod": ("v5e", 1), "v5e": ("v5e", 1), "v6e": ("v6e", 1), "v5p": ("v5p", 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +95,11 @@ def parse_tpu_name(name: str) -> tuple[str, tuple[int, ...]]:
     text = name.strip().lower()
     typed = _ACCELERATOR_TYPE.match(text)
     if typed:
-        raise PlanError(f"topology {name!r} looks like a Cloud accelerator type; give the chip grid instead, e.g. "
-                        f"{EXAMPLES}")
+        generation, per_chip = _TYPE_UNITS[typed.group(1)]
+        chips = int(typed.group(2)) // per_chip
+        grids = [f"{generation}:{g}" for g in COMMON_SHAPES[generation] if math.prod(map(int, g.split("x"))) == chips]
+        hint = f"its chip grid: {' or '.join(grids)}" if grids else f"give the chip grid instead, e.g. {EXAMPLES}"
+        raise PlanError(f"topology {name!r} is a Cloud accelerator type ({chips} chips); {hint}")
     match = _NAME.match(text)
     if not match:
         raise PlanError(f"topology {name!r} is not <generation>:<chip grid>, e.g. {EXAMPLES} (or gpu)")
