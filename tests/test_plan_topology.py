@@ -133,3 +133,10 @@ def test_the_documented_slice_shapes_build_with_one_device_per_chip():
             chips = math.prod(int(side) for side in shape.split("x"))
             if chips <= 256:  # larger ones take 0.02 s and more each
                 assert tpu_topology(f"{generation}:{shape}").num_chips == chips, (generation, shape)
+
+
+def test_usable_hbm_is_the_runtime_limit_where_there_is_one():
+    attached = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 63_000_000_000, "bytes_in_use": 0})
+    assert chips.usable_hbm_bytes(attached) == 63_000_000_000
+    assert chips.usable_hbm_bytes(resolve("v5e:2x2").devices[0]) is None  # compile-only: no memory stats
+    assert chips.usable_hbm_bytes(jax.devices("cpu")[0]) is None

@@ -5,8 +5,8 @@ Units are SI: a GB is 10^9 bytes, a GiB 2^30 (the pages mix both: each entry say
 
 Usable HBM is less than `hbm_bytes` on every chip, and no page publishes by how much: the TPU runtime keeps
 part of HBM for itself, and on a GPU JAX preallocates 75% of the memory by default
-(`XLA_PYTHON_CLIENT_MEM_FRACTION`). On an attached device `device.memory_stats()["bytes_limit"]` is the real
-limit; for an unattached TPU topology (compile-only devices have no memory stats) a plan should keep a margin.
+(`XLA_PYTHON_CLIENT_MEM_FRACTION`). On an attached device `usable_hbm_bytes` reads the real limit; for an
+unattached TPU topology (compile-only devices have no memory stats) a plan should keep a margin.
 """
 
 from __future__ import annotations
@@ -96,3 +96,15 @@ def chip_for(device) -> ChipSpec:
         raise UnknownChipError(f"no published figures for device kind {kind!r} ({getattr(device, 'platform', '?')}); "
                                f"known: {', '.join(sorted(DEVICE_KINDS))}")
     return CHIPS[DEVICE_KINDS[kind]]
+
+
+def usable_hbm_bytes(device) -> int | None:
+    """What XLA lets programs allocate on an attached device (`memory_stats()["bytes_limit"]`: on a GPU 75% of
+    the memory by default, see `XLA_PYTHON_CLIENT_MEM_FRACTION`), or None where the runtime does not say (a
+    compile-only TPU device, a CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices: "MemoryStats is only supported for addressable PjRt devices"
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
