@@ -128,6 +128,60 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=4864, rope_theta=1e6, qkv_bias=True, tie_embeddings=True, family="qwen2",
         max_position_embeddings=32_768,
     ),
+    # The shapes below are what `models.hf_config.from_hf` makes of each checkpoint's config.json (float32 here;
+    # a checkpoint loads in its own dtype). tests/test_model_presets.py holds those config.json files and checks
+    # the parameter counts against the model cards.
+    # Qwen/Qwen2.5-Math-1.5B (1.54B).
+    "qwen2.5-math-1.5b": ModelConfig(
+        family="qwen2", vocab_size=151_936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+        head_dim=128, intermediate_size=8960, max_position_embeddings=4096, rope_theta=10_000.0, qkv_bias=True,
+        tie_embeddings=True,
+    ),
+    # meta-llama/Llama-3.2-1B-Instruct (1.23B): llama3 RoPE scaling, factor 32.
+    "llama3.2-1b": ModelConfig(
+        family="llama", vocab_size=128_256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, intermediate_size=8192, max_position_embeddings=131_072, rope_theta=500_000.0,
+        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192), norm_eps=1e-5, tie_embeddings=True,
+    ),
+    # google/gemma-3-1b-it (302M embedding + 698M other parameters): 5 sliding layers (window 512, RoPE base 1e4)
+    # to each full one (RoPE base 1e6), query scale 256^-1/2, no soft-capping (final_logit_softcapping is null).
+    "gemma3-1b": ModelConfig(
+        family="gemma3", vocab_size=262_144, hidden_size=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+        head_dim=256, intermediate_size=6912, max_position_embeddings=32_768, rope_theta=1_000_000.0,
+        local_rope_theta=10_000.0, norm_eps=1e-6, norm_offset=1.0, post_norms=True, scale_embeddings=True,
+        tie_embeddings=True, qk_norm=True, activation="gelu_tanh", query_pre_attn_scalar=256.0,
+        sliding_window=512, layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+    ),
+    # Qwen/Qwen3-1.7B (1.7B): q/k norms, head_dim 128 (not hidden / heads).
+    "qwen3-1.7b": ModelConfig(
+        family="qwen3", vocab_size=151_936, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+        head_dim=128, intermediate_size=6144, max_position_embeddings=40_960, rope_theta=1_000_000.0,
+        qk_norm=True, tie_embeddings=True,
+    ),
+    # Qwen/Qwen2.5-7B-Instruct (7.61B).
+    "qwen2.5-7b": ModelConfig(
+        family="qwen2", vocab_size=152_064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, intermediate_size=18_944, max_position_embeddings=32_768, rope_theta=1_000_000.0,
+        qkv_bias=True, tie_embeddings=False,
+    ),
+    # meta-llama/Llama-3.1-8B-Instruct (8.03B): llama3 RoPE scaling, factor 8.
+    "llama3.1-8b": ModelConfig(
+        family="llama", vocab_size=128_256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, intermediate_size=14_336, max_position_embeddings=131_072, rope_theta=500_000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), norm_eps=1e-5, tie_embeddings=False,
+    ),
+    # Qwen/Qwen2.5-14B-Instruct (14.7B).
+    "qwen2.5-14b": ModelConfig(
+        family="qwen2", vocab_size=152_064, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+        head_dim=128, intermediate_size=13_824, max_position_embeddings=32_768, rope_theta=1_000_000.0,
+        qkv_bias=True, tie_embeddings=False,
+    ),
+    # Qwen/Qwen2.5-32B-Instruct (32.5B).
+    "qwen2.5-32b": ModelConfig(
+        family="qwen2", vocab_size=152_064, hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+        head_dim=128, intermediate_size=27_648, max_position_embeddings=32_768, rope_theta=1_000_000.0,
+        qkv_bias=True, tie_embeddings=False,
+    ),
 }
 
 
