@@ -15,9 +15,11 @@ from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.plan import estimate as est
 from jaxrl.plan.programs import StepPrograms, layout_for, model_config, state_bytes_per_chip, step_programs
-from jaxrl.plan.topology import PlanError, Topology, mesh_for
+from jaxrl.plan.chips import usable_hbm_bytes
+from jaxrl.plan.topology import COMMON_SHAPES, PlanError, Topology, mesh_for
 
-# Share of a chip's HBM that the plan may fill: XLA's allocator fragments, and the runtime keeps some.
+# Share of a TPU chip's HBM that the plan may fill (no page says how much the runtime keeps; XLA's allocator
+# also fragments). On an attached GPU the runtime's own limit applies (`usable_hbm_bytes`).
 HBM_USABLE = 0.95
 
 
@@ -40,7 +42,9 @@ class Plan:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.hbm_bytes * HBM_USABLE)
+        """What the plan may fill per chip: the attached device's limit, else `HBM_USABLE` of its HBM."""
+        limit = usable_hbm_bytes(self.topology.devices[0])
+        return limit if limit is not None else int(self.hbm_bytes * HBM_USABLE)
 
     @property
     def resident_bytes(self) -> int:
@@ -268,19 +272,11 @@ def fit_or_suggest(config_path: str | None, overrides: Sequence[str], plan: Plan
     return None
 
 
-# Slice shapes by generation, smallest first (Google Cloud TPU's offered slices).
-_SHAPES = {
-    "v5e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    "v6e": ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16"),
-}
-
-
 def _larger_topologies(topology: Topology, plan: Plan) -> list[str]:
     """Larger slices of `topology`'s generation on which the resident state would take at most half of a
     chip's usable HBM (the state splits over the chips; the rest is for the programs' own buffers)."""
     generation, _, shape = topology.name.partition(":")
-    shapes = _SHAPES.get(generation, ())
+    shapes = COMMON_SHAPES.get(generation, ())
     if shape not in shapes:
         return []
     found = []
