@@ -120,13 +120,19 @@ def _cost(compiled) -> dict:
     return dict(cost or {})
 
 
+# Collectives that gather: a reduction (all-reduce, reduce-scatter) sums partial results (gradients, tensor-
+# parallel partial products) and never assembles a whole array that the rules keep split.
+GATHERING = ("all-gather", "all-to-all", "collective-permute")
+
+
 def unexpected_collectives(found: list, state_bytes: int, expected_shapes: set[tuple[int, ...]]) -> tuple[str, ...]:
-    """Collectives moving more than `UNEXPECTED_FRACTION` of `state_bytes` in one execution whose array is not
-    one parameter (whole or per-chip shard): a gather of the whole model or of a whole KV cache, say."""
+    """Gathering collectives moving more than `UNEXPECTED_FRACTION` of `state_bytes` in one execution whose
+    array is not one parameter (whole, or split over some of the mesh axes: FSDP's per-layer gather of one
+    weight): a gather of several layers' weights at once, or of a whole KV cache, say."""
     threshold = UNEXPECTED_FRACTION * state_bytes
     flagged = []
     for collective in found:
-        if collective.bytes <= threshold:
+        if collective.kind not in GATHERING or collective.bytes <= threshold:
             continue
         if all(dims in expected_shapes for dims in _result_dims(collective.shape)):
             continue
@@ -147,15 +153,21 @@ def _result_dims(shape: str) -> list[tuple[int, ...]]:
     return dims
 
 
-def expected_shapes(resident: dict) -> set[tuple[int, ...]]:
-    """Every resident array's full and per-chip shape, with its two trailing axes also swapped (a transposed
-    weight gathered for the backward pass), and the stacked per-layer shape of none: a gather of more than one
-    weight at once is not a per-layer gather."""
+def expected_shapes(resident: dict, mesh_sizes: dict[str, int]) -> set[tuple[int, ...]]:
+    """The shapes of one resident array split over any subset of the mesh axes, each dimension on its own (and
+    with the two trailing axes swapped: a transposed weight gathered for the backward pass). Shapes of several
+    weights stacked, or of anything else, are not among them."""
+    import itertools
+
     import jax
 
+    divisors = {1}
+    for size in mesh_sizes.values():
+        divisors |= {d * size for d in divisors}
     shapes = set()
     for leaf in jax.tree.leaves(resident):
-        for dims in (tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))):
+        options = [sorted({n // d for d in divisors if n % d == 0}) for n in leaf.shape]
+        for dims in itertools.product(*options):
             shapes.add(dims)
             if len(dims) >= 2:
                 shapes.add((*dims[:-2], dims[-1], dims[-2]))

@@ -438,7 +438,7 @@ _OPCODES = {
 def _group_size(attrs: str, devices: int) -> int:
     """Devices per replica group, from any of XLA's printed forms: `{{0,1},{2,3}}`, `{}` (all devices), iota
     `[2,4]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or mesh axes `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # may name device_ids=(...) between
     if m:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))}
         size = 1

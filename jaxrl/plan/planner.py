@@ -130,7 +130,7 @@ def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = 
 def _estimates(built: StepPrograms, topology: Topology, resident: dict[str, int],
                reuse: dict[str, est.ProgramEstimate], progress) -> list[est.ProgramEstimate]:
     state_bytes = est.tree_bytes(built.resident)
-    expected = est.expected_shapes(built.resident)
+    expected = est.expected_shapes(built.resident, dict(built.layout.mesh.shape))
     estimates = []
     for program in built.programs:
         if program.name in reuse:
