@@ -84,6 +84,7 @@ def test_replica_group_forms():
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == 4
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}") == 8
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}") == 2  # a sub-axis
+    assert group("mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,4]T(1,0)) {'axis_2'}") == 4
     with pytest.raises(ValueError, match="axis_9"):
         group("mesh['axis_0'=4] {'axis_9'}")
 
@@ -159,6 +160,34 @@ def test_recorded_trip_count_wins_and_unknown_loops_are_flagged():
     assert (c.executions, c.trip_count_known) == (1, False)
     (c,) = hlo.collectives(dynamic, default_trip_count=40)
     assert (c.executions, c.trip_count_known) == (40, False)
+
+
+def test_a_loop_that_may_stop_early_counts_its_bound():
+    # The sampler's decode loop: `step < N and not all done`; the data-dependent part (here the parameter-bound
+    # element %n of the dynamic loop) does not hide the static bound.
+    text = loop_module("and(%lt0, %more), direction=LT", 0, "1").replace(
+        "  ROOT %lt = pred[] and(%lt0, %more), direction=LT",
+        "  %lt0 = pred[] compare(%i, %k), direction=LT\n  %more = pred[] compare(%i, %n), direction=LT\n"
+        "  ROOT %lt = pred[] and(%lt0, %more)").replace("%bound = s32[] constant(16)",
+                                                       "%bound = s32[] parameter(1)")
+    (c,) = hlo.collectives(text)
+    assert (c.executions, c.trip_count_known) == (16, True)
+
+
+def test_a_loop_starting_where_an_earlier_one_stopped():
+    # Decode in segments: the second loop's variable starts at the first loop's final value (16), up to 40.
+    text = loop_module("compare(%i, %k), direction=LT", 0, "1")
+    cond2 = text[text.index("%cond ("):text.index("%body (")].replace("%cond (", "%cond2 (").replace(
+        "constant(16)", "constant(40)")
+    body2 = text[text.index("%body ("):text.index("ENTRY")].replace("%body (", "%body2 (")
+    text = text.replace("ENTRY", cond2 + body2 + "ENTRY").replace(
+        "  ROOT %r = f32[8]{0} get-tuple-element(%w), index=2",
+        "  %w_i = s32[] get-tuple-element(%w), index=0\n  %w_x = f32[8]{0} get-tuple-element(%w), index=2\n"
+        "  %init2 = (s32[], s32[], f32[8]{0}) tuple(%w_i, %bound, %w_x)\n"
+        "  %w2 = (s32[], s32[], f32[8]{0}) while(%init2), condition=%cond2, body=%body2\n"
+        "  ROOT %r = f32[8]{0} get-tuple-element(%w2), index=2")
+    found = {c.computation: c.executions for c in hlo.collectives(text)}
+    assert found == {"body": 16, "body2": 24}
 
 
 def test_nested_loops_multiply():
