@@ -68,6 +68,34 @@ def test_a_start_without_its_done_reads_the_output_from_its_tuple():
     assert gather.shape == "(bf16[32,128], f32[16])" and permute.shape == "f32[4]"
 
 
+def test_async_wrapped_and_conditional_collectives():
+    wrapped = """%wrapped_reduce_scatter (w: f32[16]) -> f32[4] {
+  %w = f32[16]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%w), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}"""
+    branches = [f"""%branch{i} (q{i}: f32[16]) -> f32[16] {{
+  %q{i} = f32[16]{{0}} parameter(0)
+  ROOT %ar{i} = f32[16]{{0}} all-reduce(%q{i}), channel_id={5 + i}, replica_groups={{{{0,1}},{{2,3}}}}, to_apply=%add
+}}""" for i in range(2)]
+    entry = """ENTRY %main (p: f32[16], b: s32[]) -> (f32[4], f32[16]) {
+  %p = f32[16]{0} parameter(0)
+  %b = s32[] parameter(1)
+  %rs-start = ((f32[16]{0}), f32[4]{0}, u32[]) async-start(f32[16]{0} %p), calls=%wrapped_reduce_scatter
+  %rs-done = f32[4]{0} async-done(((f32[16]{0}), f32[4]{0}, u32[]) %rs-start), calls=%wrapped_reduce_scatter
+  %cond = f32[16]{0} conditional(%b, %p, %p), branch_computations={%branch0, %branch1}
+  ROOT %t = (f32[4]{0}, f32[16]{0}) tuple(%rs-done, %cond)
+}"""
+    found = hlo.collectives(module(ADD, wrapped, *branches, entry))
+    by_kind = {}
+    for c in found:
+        by_kind.setdefault(c.kind, []).append(c)
+    (rs,) = by_kind["reduce-scatter"]  # the async wrapper is entered once, by its start
+    assert (rs.bytes, rs.executions, rs.computation, rs.traffic_bytes) == (16, 1, "main", 16 * 3)
+    # Each branch as if taken (an upper bound).
+    assert sorted((c.computation, c.executions, c.group_size) for c in by_kind["all-reduce"]) == [
+        ("branch0", 1, 2), ("branch1", 1, 2)]
+
+
 def test_replica_group_forms():
     def group(groups: str, partitions: int = 8) -> int:
         entry = f"""ENTRY %main (p: f32[8]) -> f32[8] {{
