@@ -573,9 +573,11 @@ _SPLASH = re.compile(r"^splash_(mha|mqa)_(fwd|dq|dkv)(_segmented)?(_residuals|_n
 
 
 def _kernel_name(instr: _Instr) -> str:
-    """A Mosaic kernel's name. JAX passes the `pallas_call`'s name as the custom call's `kernel_name`, which XLA
-    makes the instruction's name (`splash_mha_fwd_no_residuals.1`); strip XLA's `.N`/`.clone` suffixes. Where a
-    pass renamed it, the jax op path in the metadata ends in `<name>/pallas_call`."""
+    """A Mosaic kernel's name. The backend config holds no readable name (`custom_call_config.body` is the
+    kernel's serialized MLIR bytecode, base64). JAX passes the `pallas_call`'s name as the custom call's
+    `kernel_name` attribute (jax/_src/tpu_custom_call.py), which XLA makes the instruction's name
+    (`splash_mha_fwd_no_residuals.1`): strip XLA's `.N`/`.clone` suffixes. Where a pass renamed it, the jax op
+    path in the metadata ends in `<name>/pallas_call`."""
     name = re.sub(r"(\.clone|\.\d+)+$", "", instr.name)
     if name and not name.startswith("custom-call") and not name.startswith("custom_call"):
         return name
