@@ -393,7 +393,7 @@ def test_splash_attention_kernels_forward_and_backward(v5p):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    B, H, T, D = 2, 2, 256, 128
+    B, H, T, D = 2, 1, 128, 128
     kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((T, T))] * H), head_shards=1,
                                     q_seq_shards=1)
     qkv = spec(v5p, (B, H, T, D), jnp.bfloat16, "data")
