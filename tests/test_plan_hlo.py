@@ -68,6 +68,34 @@ def test_a_start_without_its_done_reads_the_output_from_its_tuple():
     assert gather.shape == "(bf16[32,128], f32[16])" and permute.shape == "f32[4]"
 
 
+def test_async_wrapped_and_conditional_collectives():
+    wrapped = """%wrapped_reduce_scatter (w: f32[16]) -> f32[4] {
+  %w = f32[16]{0} parameter(0)
+  ROOT %rs = f32[4]{0} reduce-scatter(%w), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}"""
+    branches = [f"""%branch{i} (q{i}: f32[16]) -> f32[16] {{
+  %q{i} = f32[16]{{0}} parameter(0)
+  ROOT %ar{i} = f32[16]{{0}} all-reduce(%q{i}), channel_id={5 + i}, replica_groups={{{{0,1}},{{2,3}}}}, to_apply=%add
+}}""" for i in range(2)]
+    entry = """ENTRY %main (p: f32[16], b: s32[]) -> (f32[4], f32[16]) {
+  %p = f32[16]{0} parameter(0)
+  %b = s32[] parameter(1)
+  %rs-start = ((f32[16]{0}), f32[4]{0}, u32[]) async-start(f32[16]{0} %p), calls=%wrapped_reduce_scatter
+  %rs-done = f32[4]{0} async-done(((f32[16]{0}), f32[4]{0}, u32[]) %rs-start), calls=%wrapped_reduce_scatter
+  %cond = f32[16]{0} conditional(%b, %p, %p), branch_computations={%branch0, %branch1}
+  ROOT %t = (f32[4]{0}, f32[16]{0}) tuple(%rs-done, %cond)
+}"""
+    found = hlo.collectives(module(ADD, wrapped, *branches, entry))
+    by_kind = {}
+    for c in found:
+        by_kind.setdefault(c.kind, []).append(c)
+    (rs,) = by_kind["reduce-scatter"]  # the async wrapper is entered once, by its start
+    assert (rs.bytes, rs.executions, rs.computation, rs.traffic_bytes) == (16, 1, "main", 16 * 3)
+    # Each branch as if taken (an upper bound).
+    assert sorted((c.computation, c.executions, c.group_size) for c in by_kind["all-reduce"]) == [
+        ("branch0", 1, 2), ("branch1", 1, 2)]
+
+
 def test_replica_group_forms():
     def group(groups: str, partitions: int = 8) -> int:
         entry = f"""ENTRY %main (p: f32[8]) -> f32[8] {{
@@ -84,6 +112,7 @@ def test_replica_group_forms():
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}") == 4
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}") == 8
     assert group("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}") == 2  # a sub-axis
+    assert group("mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([2,4]T(1,0)) {'axis_2'}") == 4
     with pytest.raises(ValueError, match="axis_9"):
         group("mesh['axis_0'=4] {'axis_9'}")
 
@@ -159,6 +188,34 @@ def test_recorded_trip_count_wins_and_unknown_loops_are_flagged():
     assert (c.executions, c.trip_count_known) == (1, False)
     (c,) = hlo.collectives(dynamic, default_trip_count=40)
     assert (c.executions, c.trip_count_known) == (40, False)
+
+
+def test_a_loop_that_may_stop_early_counts_its_bound():
+    # The sampler's decode loop: `step < N and not all done`; the data-dependent part (here the parameter-bound
+    # element %n of the dynamic loop) does not hide the static bound.
+    text = loop_module("and(%lt0, %more), direction=LT", 0, "1").replace(
+        "  ROOT %lt = pred[] and(%lt0, %more), direction=LT",
+        "  %lt0 = pred[] compare(%i, %k), direction=LT\n  %more = pred[] compare(%i, %n), direction=LT\n"
+        "  ROOT %lt = pred[] and(%lt0, %more)").replace("%bound = s32[] constant(16)",
+                                                       "%bound = s32[] parameter(1)")
+    (c,) = hlo.collectives(text)
+    assert (c.executions, c.trip_count_known) == (16, True)
+
+
+def test_a_loop_starting_where_an_earlier_one_stopped():
+    # Decode in segments: the second loop's variable starts at the first loop's final value (16), up to 40.
+    text = loop_module("compare(%i, %k), direction=LT", 0, "1")
+    cond2 = text[text.index("%cond ("):text.index("%body (")].replace("%cond (", "%cond2 (").replace(
+        "constant(16)", "constant(40)")
+    body2 = text[text.index("%body ("):text.index("ENTRY")].replace("%body (", "%body2 (")
+    text = text.replace("ENTRY", cond2 + body2 + "ENTRY").replace(
+        "  ROOT %r = f32[8]{0} get-tuple-element(%w), index=2",
+        "  %w_i = s32[] get-tuple-element(%w), index=0\n  %w_x = f32[8]{0} get-tuple-element(%w), index=2\n"
+        "  %init2 = (s32[], s32[], f32[8]{0}) tuple(%w_i, %bound, %w_x)\n"
+        "  %w2 = (s32[], s32[], f32[8]{0}) while(%init2), condition=%cond2, body=%body2\n"
+        "  ROOT %r = f32[8]{0} get-tuple-element(%w2), index=2")
+    found = {c.computation: c.executions for c in hlo.collectives(text)}
+    assert found == {"body": 16, "body2": 24}
 
 
 def test_nested_loops_multiply():
@@ -336,7 +393,7 @@ def test_splash_attention_kernels_forward_and_backward(v5p):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    B, H, T, D = 2, 2, 256, 128
+    B, H, T, D = 2, 1, 128, 128
     kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((T, T))] * H), head_shards=1,
                                     q_seq_shards=1)
     qkv = spec(v5p, (B, H, T, D), jnp.bfloat16, "data")

@@ -16,8 +16,9 @@ Trip counts: XLA's GPU and CPU backends record a loop's count in the `while` op'
 `backend_config={"known_trip_count":{"n":"6"}}`; the TPU backend's final HLO does not, so it is read from the
 loop itself: a condition `compare(i, N)` (LT/LE/GT/GE/NE) on a tuple element `i` that starts at a constant and
 that the body steps by a constant (`lax.scan`, `fori_loop` and `while_loop` with a static bound all lower to
-this). A loop whose bound is data (the sampler's decode loop stops when every row is done) has no known count:
-its ops count `default_trip_count` times per entry (1 unless given) and are flagged `trip_count_known=False`.
+this). A condition `i < N and <data>` (the sampler's decode loop: up to N steps, or until every row is done)
+counts its bound N, an upper bound. A loop whose only bound is data has no known count: its ops count
+`default_trip_count` times per entry (1 unless given) and are flagged `trip_count_known=False`.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Collective:
 
     `shape`: its result per device (`bf16[3584,2368]`; a tuple for combined collectives); `bytes`: that result's
     bytes; `group_size`: devices per replica group (devices named in the pairs, for collective-permute);
-    `executions`: times it runs per program call (product of the trip counts of the loops around it);
+    `executions`: times it runs per program call (product of the trip counts of the loops around it; a loop
+    that may stop early counts its static bound);
     `trip_count_known`: False where a loop around it has a data-dependent bound; `traffic_bytes`: bytes sent
     per device per execution, ring model (`ring_traffic`); `computation`: the HLO computation holding it (the
     loop body or entry, not the fusion it may sit in); `name`/`op_name`: its HLO name and the jax op it came from.
@@ -257,11 +259,18 @@ def _affine(comps, comp: str, name: str, leaf, depth: int = 0) -> tuple[int, int
 
 def _trip_count(comps, roots, parent: str, loop: _Instr) -> int | None:
     """Iterations of the `while` op `loop` (in computation `parent`), or None where it is not static."""
+    found = _loop(comps, roots, parent, loop)
+    return found[0] if found is not None else None
+
+
+def _loop(comps, roots, parent: str, loop: _Instr, depth: int = 0) -> tuple[int, int, int, int] | None:
+    """`(trip count, loop variable's tuple index, its start, its step)` of the `while` op `loop`, or None where
+    the count is not static (index -1 where the count is recorded in the backend config)."""
     m = re.search(r'"known_trip_count":\{"n":"?(\d+)"?\}', loop.attrs)
     if m:
-        return int(m.group(1))
+        return int(m.group(1)), -1, 0, 0
     cond, body = (_called(loop.attrs, "condition") or [None])[0], (_called(loop.attrs, "body") or [None])[0]
-    if cond not in comps or body not in comps or len(loop.operands) != 1:
+    if cond not in comps or body not in comps or len(loop.operands) != 1 or depth > 8:
         return None
     init = comps[parent].get(loop.operands[0])
     if init is None or init.opcode != "tuple":
@@ -270,10 +279,20 @@ def _trip_count(comps, roots, parent: str, loop: _Instr) -> int | None:
     if body_root is None or body_root.opcode != "tuple":
         return None
 
+    def after_loop(comp, instr):  # a start value that an earlier loop's variable left (its full run)
+        source = comps[comp].get(instr.operands[0]) if instr.operands else None
+        if instr.opcode != "get-tuple-element" or source is None or source.opcode != "while":
+            return None
+        earlier = _loop(comps, roots, comp, source, depth + 1)
+        if earlier is None or str(earlier[1]) != _attr(instr.attrs, "index"):
+            return None
+        trips, _, start, step = earlier
+        return 0, start + step * trips
+
     def initial(index: int) -> int | None:
         if index >= len(init.operands):
             return None
-        value = _affine(comps, parent, init.operands[index], lambda c, i: None)
+        value = _affine(comps, parent, init.operands[index], after_loop)
         return value[1] if value is not None else None
 
     def invariant(index: int) -> bool:  # the body passes tuple element `index` through unchanged
@@ -297,49 +316,64 @@ def _trip_count(comps, roots, parent: str, loop: _Instr) -> int | None:
             return None
         return leaf
 
-    # The compare at the condition's root, through one fusion where XLA fused it.
-    cond_comp, compare = cond, comps[cond].get(roots.get(cond, ""))
+    # The condition's root: a compare, or an `and` of conditions (a loop that may also stop early, like the
+    # sampler's decode loop: `step < N and not all done`), whose static compares bound it; through one fusion
+    # where XLA fused it.
+    cond_comp, root = cond, comps[cond].get(roots.get(cond, ""))
     outer: dict[str, _Instr] = {}
-    if compare is not None and compare.opcode == "fusion":
-        inner = (_called(compare.attrs, "calls") or [""])[0]
+    if root is not None and root.opcode == "fusion":
+        inner = (_called(root.attrs, "calls") or [""])[0]
         fused_root = comps.get(inner, {}).get(roots.get(inner, ""))
         if fused_root is not None:
-            outer = {instr.raw_operands: comps[cond].get(compare.operands[int(instr.raw_operands)])
+            outer = {instr.raw_operands: comps[cond].get(root.operands[int(instr.raw_operands)])
                      for instr in comps[inner].values() if instr.opcode == "parameter"
-                     and int(instr.raw_operands) < len(compare.operands)}
-            cond_comp, compare = inner, fused_root
-    if compare is None or compare.opcode != "compare" or len(compare.operands) != 2:
-        return None
-    direction = _attr(compare.attrs, "direction")
-
+                     and int(instr.raw_operands) < len(root.operands)}
+            cond_comp, root = inner, fused_root
     candidates = sorted({int(_attr(i.attrs, "index")) for i in comps[cond].values()
                          if i.opcode == "get-tuple-element" and _attr(i.attrs, "index") is not None})
-    for var in candidates:
-        base = leaf_for(var)
 
-        def leaf(comp, instr, base=base):
-            if comp == cond_comp and instr.opcode == "parameter" and outer:
-                source = outer.get(instr.raw_operands)
-                return None if source is None else _affine(comps, cond, source.name, base)
-            return base(comp, instr)
+    def compare_count(compare: _Instr) -> tuple[int, int, int, int] | None:
+        direction = _attr(compare.attrs, "direction")
+        for var in candidates:
+            base = leaf_for(var)
 
-        lhs = _affine(comps, cond_comp, compare.operands[0], leaf)
-        rhs = _affine(comps, cond_comp, compare.operands[1], leaf)
-        if lhs is None or rhs is None or {lhs[0], rhs[0]} != {0, 1}:
-            continue
-        step = _affine(comps, body, body_root.operands[var], leaf_for(var)) if var < len(body_root.operands) \
-            else None
-        start = initial(var)
-        if step is None or step[0] != 1 or step[1] == 0 or start is None:
-            continue
-        flip = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
-        # Loop while `X <dir> bound`, X = start + step * t; shift so the variable is on the left.
-        if lhs[0] == 1:
-            bound, op = rhs[1] - lhs[1], direction
-        else:
-            bound, op = lhs[1] - rhs[1], flip.get(direction or "", "")
-        return _count(start, step[1], bound, op)
-    return None
+            def leaf(comp, instr, base=base):
+                if comp == cond_comp and instr.opcode == "parameter" and outer:
+                    source = outer.get(instr.raw_operands)
+                    return None if source is None else _affine(comps, cond, source.name, base)
+                return base(comp, instr)
+
+            lhs = _affine(comps, cond_comp, compare.operands[0], leaf)
+            rhs = _affine(comps, cond_comp, compare.operands[1], leaf)
+            if lhs is None or rhs is None or {lhs[0], rhs[0]} != {0, 1}:
+                continue
+            step = _affine(comps, body, body_root.operands[var], leaf_for(var)) \
+                if var < len(body_root.operands) else None
+            start = initial(var)
+            if step is None or step[0] != 1 or step[1] == 0 or start is None:
+                continue
+            flip = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+            # Loop while `X <dir> bound`, X = start + step * t; shift so the variable is on the left.
+            if lhs[0] == 1:
+                bound, op = rhs[1] - lhs[1], direction
+            else:
+                bound, op = lhs[1] - rhs[1], flip.get(direction or "", "")
+            trips = _count(start, step[1], bound, op)
+            return None if trips is None else (trips, var, start, step[1])
+        return None
+
+    def count(instr: _Instr | None, level: int = 0) -> tuple[int, int, int, int] | None:
+        if instr is None or level > 8:
+            return None
+        if instr.opcode == "compare" and len(instr.operands) == 2:
+            return compare_count(instr)
+        if instr.opcode == "and":
+            bounds = [n for n in (count(comps[cond_comp].get(o), level + 1) for o in instr.operands)
+                      if n is not None]
+            return min(bounds) if bounds else None
+        return None
+
+    return count(root)
 
 
 def _count(start: int, step: int, bound: int, op: str) -> int | None:
@@ -437,8 +471,9 @@ _OPCODES = {
 
 def _group_size(attrs: str, devices: int) -> int:
     """Devices per replica group, from any of XLA's printed forms: `{{0,1},{2,3}}`, `{}` (all devices), iota
-    `[2,4]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or mesh axes `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # may name device_ids=(...) between
+    `[2,4]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or mesh axes `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (with
+    `device_ids=([2,2]T(1,0))` between them where the devices are permuted)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # may carry device_ids=(...)
     if m:
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))}
         size = 1
@@ -538,9 +573,11 @@ _SPLASH = re.compile(r"^splash_(mha|mqa)_(fwd|dq|dkv)(_segmented)?(_residuals|_n
 
 
 def _kernel_name(instr: _Instr) -> str:
-    """A Mosaic kernel's name. JAX passes the `pallas_call`'s name as the custom call's `kernel_name`, which XLA
-    makes the instruction's name (`splash_mha_fwd_no_residuals.1`); strip XLA's `.N`/`.clone` suffixes. Where a
-    pass renamed it, the jax op path in the metadata ends in `<name>/pallas_call`."""
+    """A Mosaic kernel's name. The backend config holds no readable name (`custom_call_config.body` is the
+    kernel's serialized MLIR bytecode, base64). JAX passes the `pallas_call`'s name as the custom call's
+    `kernel_name` attribute (jax/_src/tpu_custom_call.py), which XLA makes the instruction's name
+    (`splash_mha_fwd_no_residuals.1`): strip XLA's `.N`/`.clone` suffixes. Where a pass renamed it, the jax op
+    path in the metadata ends in `<name>/pallas_call`."""
     name = re.sub(r"(\.clone|\.\d+)+$", "", instr.name)
     if name and not name.startswith("custom-call") and not name.startswith("custom_call"):
         return name
