@@ -13,6 +13,7 @@ is a lower bound; the MFU computed from it an upper bound.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -76,10 +77,21 @@ class ProgramEstimate:
 
 
 def compile_program(program: Program):
-    """`(compiled, seconds)`: the program lowered and compiled for its arguments' devices."""
+    """`(compiled, seconds)`: the program lowered and compiled for its arguments' devices. The persistent
+    compilation cache is off meanwhile: a compile-only TPU executable cannot be loaded back from it (jax warns
+    "PjRtCompiler must be constructed with a Client"), so entries would only cost time and disk."""
     start = time.perf_counter()
-    compiled = program.lower().compile()
+    with _compilation_cache(False):
+        compiled = program.lower().compile()
     return compiled, time.perf_counter() - start
+
+
+def _compilation_cache(enabled: bool):
+    try:  # jax's config states are context managers; this one has no public alias
+        from jax._src.config import enable_compilation_cache
+    except ImportError:  # pragma: no cover - a jax that moved it: compile with the cache as configured
+        return contextlib.nullcontext()
+    return enable_compilation_cache(enabled)
 
 
 def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resident_elsewhere_bytes: int,

@@ -106,12 +106,13 @@ class Plan:
 
 
 def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = (),
-              reuse: dict[str, est.ProgramEstimate] | None = None,
+              reuse: dict[str, est.ProgramEstimate] | None = None, only: Sequence[str] | None = None,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Compile every program of one RL step of `config` for `topology` and collect their figures.
 
     `reuse`: estimates of programs that the change from an earlier plan leaves as they were (by name), not
-    compiled again. When the resident state alone exceeds a chip's usable HBM nothing is compiled.
+    compiled again. `only`: plan just the programs of these names (e.g. `train_step` while tuning it). When
+    the resident state alone exceeds a chip's usable HBM nothing is compiled.
     """
     mesh = mesh_for(topology, config.mesh)
     try:
@@ -124,6 +125,12 @@ def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = 
                 shapes=built.shapes, resident=resident, programs=(), overrides=tuple(overrides))
     if plan.resident_bytes > plan.usable_bytes:
         return plan
+    if only is not None:
+        unknown = set(only) - {p.name for p in built.programs}
+        if unknown:
+            raise PlanError(f"no program named {', '.join(sorted(unknown))} in this recipe's step; it has "
+                            f"{', '.join(p.name for p in built.programs)}")
+        built = dataclasses.replace(built, programs=tuple(p for p in built.programs if p.name in only))
     return dataclasses.replace(plan, programs=tuple(_estimates(built, topology, resident, reuse or {}, progress)))
 
 
@@ -243,6 +250,7 @@ def fit_or_suggest(config_path: str | None, overrides: Sequence[str], plan: Plan
     if plan.fits:
         return None
     config = load_config(Config, config_path, list(overrides))
+    only = [p.name for p in plan.programs] or None  # the same programs as `plan`
     tries = 0
     for change in _candidates(config, plan):
         if tries >= max_tries:
@@ -253,7 +261,8 @@ def fit_or_suggest(config_path: str | None, overrides: Sequence[str], plan: Plan
         reuse = {} if "*" in affected else {p.name: p for p in plan.programs if p.name not in affected}
         if progress:
             progress(f"trying {' '.join(change)}")
-        candidate = make_plan(changed, topology, overrides=[*overrides, *change], reuse=reuse, progress=progress)
+        candidate = make_plan(changed, topology, overrides=[*overrides, *change], reuse=reuse, only=only,
+                              progress=progress)
         if candidate.fits:
             return Suggestion(tuple(change), None, candidate)
     for name in _larger_topologies(topology, plan):
@@ -264,7 +273,7 @@ def fit_or_suggest(config_path: str | None, overrides: Sequence[str], plan: Plan
             progress(f"trying --topology {name}")
         larger = resolve(name)
         try:
-            candidate = make_plan(config, larger, overrides=overrides, progress=progress)
+            candidate = make_plan(config, larger, overrides=overrides, only=only, progress=progress)
         except PlanError:
             continue  # e.g. the mesh does not split over this many chips
         if candidate.fits:
