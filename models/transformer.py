@@ -433,6 +433,11 @@ def apply(
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
       cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`; scalar).
 
+    A prefill (a `KVCache` exactly as long as the segment, written from a static `cache_index` 0, so every slot
+    is overwritten) attends through the self-attention kernel of `config.attention_impl` unless that resolves
+    to `xla` (`is_kernel_prefill`). It attends to the segment's keys as computed: with an int8 cache it reads
+    the unquantized keys, where the `xla` path reads the quantized cache.
+
     Returns:
       `(hidden [batch, seq, hidden_size], updated cache or None)`.
     """
