@@ -16,9 +16,8 @@ A Pallas decode kernel would only earn its place by beating the XLA decode on a 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -312,15 +311,15 @@ def _splash_sharded(q, k, v, valid, scale, softcap, window, interpret, layout):
     GQA: a chip holding `heads_per_shard` consecutive query heads needs the KV heads those read. With
     `local_groups = gcd(heads_per_shard, groups)` query heads per KV head on the chip, K and V are repeated
     `groups // local_groups` times along their heads before the shard_map and split like the queries. Where
-    the KV heads split evenly (`heads_per_shard % groups == 0`, e.g. 8 KV heads on tensor=4) the repeat is 1
-    and this is the plain split. Otherwise (e.g. 2 KV heads on tensor=4: each chip's 2 query heads read one KV
-    head) each chip holds `heads_per_shard // local_groups` KV heads instead of all of them replicated: the
-    same or less K/V memory per chip, paid for by the repeat itself (K/V of the chip's heads written once more,
+    the KV heads split evenly (`heads_per_shard % groups == 0`, e.g. 32 query and 8 KV heads on tensor=4) the
+    repeat is 1 and this is the plain split. Otherwise (e.g. 8 query and 2 KV heads on tensor=4: each chip's 2
+    query heads read one KV head, repeated twice) each chip holds `heads_per_shard // local_groups` KV heads
+    instead of all of them replicated: never more K/V memory per chip (`lcm(heads_per_shard, groups)` divides
+    `num_heads`), paid for by the repeat itself (K/V of the chip's heads written once more,
     `[batch/shards, seq, heads_per_shard // local_groups, head_dim]` each) and, in the backward pass, the
     gradients of the copies summed back into their KV head (a reduction over the head axes).
     """
-    batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
     groups = num_heads // num_kv_heads
     q_spec = layout.spec(("batch", None, "heads", None), q.shape)
     q_spec = tuple(q_spec) + (None,) * (4 - len(q_spec))
