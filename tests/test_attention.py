@@ -265,3 +265,28 @@ def test_sharded_splash_sampling_gives_the_xla_tokens(sharded_results):
     """Greedy sampling with `attention_impl=splash` (its prefill through the kernel, per chip) gives the same
     tokens as `xla` on the same sharded weights (a sliding-window and a full layer)."""
     assert sharded_results["sample_equal"], sharded_results["sample_tokens"]
+
+
+def test_prefill_goes_through_the_kernel_unless_xla():
+    """A segment filling a `KVCache` from a static slot 0 (the sampler's prompt pass) runs the self-attention
+    kernel (a Pallas call for splash); `xla`, and a decode step at a traced slot, keep the dense attention."""
+    import models
+    from models import KVCache
+
+    config = models.ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                head_dim=8, intermediate_size=64, attention_impl="splash")
+    splash = models.abstract(config)
+    xla = models.replace_config(splash, attention_impl="xla")
+    tokens = jnp.ones((2, 6), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+
+    def jaxpr(policy, length, index):
+        cache = KVCache.zeros(config, 2, length)
+        return str(jax.make_jaxpr(lambda p, i: models.apply(policy.replace(params=p), tokens, positions,
+                                                            jnp.ones((2, length), bool), cache,
+                                                            index if index is not None else i))(policy.params, 0))
+
+    assert "pallas_call" in jaxpr(splash, 6, 0)
+    assert "pallas_call" not in jaxpr(xla, 6, 0)
+    assert "pallas_call" not in jaxpr(splash, 6, None)  # traced slot: not known to be 0
+    assert "pallas_call" not in jaxpr(splash, 9, 0)  # a longer cache: its other slots may hold keys
