@@ -1,11 +1,14 @@
 """Grouped-query attention: one reference in XLA, fast kernels where a backend has them.
 
-- `self_attention` serves training, log-probs and prefill (no cache: keys are the queries' own tokens). It
-  dispatches by `implementation` (`resolve_implementation`: `auto` picks by backend):
+- `self_attention` serves training, log-probs and prefill (keys are the queries' own tokens; the prefill writes
+  them into the cache too). It dispatches by `implementation` (`resolve_implementation`: `auto` picks by the
+  platform of the devices the program runs on, `target_platform`):
   - the XLA reference;
   - `jax.nn.dot_product_attention`'s cuDNN kernel on NVIDIA GPUs;
-  - JAX's Pallas splash attention on TPUs (interpret mode elsewhere, for tests).
-- `attention` (a dense mask over a KV cache) serves decoding.
+  - JAX's Pallas splash attention on TPUs (interpret mode elsewhere, for tests). On a mesh of several devices
+    it runs inside `jax.shard_map`, each chip on its own rows and heads (a Mosaic kernel cannot be
+    partitioned by XLA).
+- `attention` (a dense mask over a KV cache) serves decoding, and prefill with the `xla` implementation.
 - `shared_prefix_attention` serves group sampling, where the samples of a prompt share its keys.
 
 A Pallas decode kernel would only earn its place by beating the XLA decode on a measured GPU.
@@ -13,10 +16,12 @@ A Pallas decode kernel would only earn its place by beating the XLA decode on a 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 
 def causal_padding_mask(query_index: jax.Array, key_valid: jax.Array) -> jax.Array:
@@ -158,9 +163,20 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array, head_dim: int, scale: fl
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 
 
+def target_platform(mesh=None) -> str:
+    """The platform (`tpu`, `gpu`, `cpu`) of the devices a program runs on: those of `mesh` (a
+    `jax.sharding.Mesh`, possibly over an unattached TPU topology compiled for on a CPU host), else the
+    default backend's. Kernels are picked by it, not by `jax.default_backend()`, which stays `cpu` when
+    compiling ahead of time for a TPU."""
+    if mesh is None:
+        return jax.default_backend()
+    return mesh.devices.flat[0].platform
+
+
 def resolve_implementation(implementation: str = "auto", backend: str | None = None) -> str:
     """The self-attention kernel to use: `auto` -> cuDNN on NVIDIA GPUs, Pallas splash attention on TPUs, XLA
-    elsewhere (CPU, ROCm); any other name is kept."""
+    elsewhere (CPU, ROCm); any other name is kept. `backend`: the target platform (`target_platform`);
+    None: the default backend's."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; choose from "
                          f"{', '.join(IMPLEMENTATIONS)}")
@@ -176,7 +192,7 @@ def resolve_implementation(implementation: str = "auto", backend: str | None = N
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *, scale: float | None = None,
                    softcap: float | None = None, window: int | None = None, implementation: str = "xla",
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, layout=None) -> jax.Array:
     """Causal self-attention of a left-padded batch without a cache (training, log-probs, prefill).
 
     Args:
@@ -189,7 +205,12 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
         (`jax.nn.dot_product_attention`'s cuDNN kernel, NVIDIA GPUs) or `splash` (JAX's Pallas splash attention,
         TPUs). cuDNN has no soft-capping and takes only bf16/fp16 inputs with head_dim a multiple of 8 up to
         128 (`cudnn_supports`): otherwise it falls back to `xla`.
-      interpret: run the Pallas kernel in interpret mode (always so off TPU: tests on CPU).
+      interpret: run the Pallas kernel in interpret mode (always so when the target platform is not a TPU:
+        tests on CPU).
+      layout: the `models.partitioning.Layout` the program is sharded by, or None. Its mesh's devices decide the
+        target platform; on a mesh of several devices splash runs per chip inside `jax.shard_map`
+        (`_splash_sharded`), the batch split over the batch axes and the heads over their axes by the layout's
+        rules. The other implementations leave the partitioning to XLA.
 
     Returns:
       `[batch, seq, num_heads, head_dim]` in q's dtype. Rows of padding queries are unspecified.
@@ -197,7 +218,9 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
     if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]):
         return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
     if implementation == "splash":
-        interpret = interpret or jax.default_backend() != "tpu"
+        interpret = interpret or target_platform(None if layout is None else layout.mesh) != "tpu"
+        if layout is not None and layout.mesh.size > 1:
+            return _splash_sharded(q, k, v, valid, scale, softcap, window, interpret, layout)
         return _splash_self_attention(q, k, v, valid, scale, softcap, window, interpret)
     if implementation not in ("xla", "cudnn"):
         raise ValueError(f"unknown attention implementation {implementation!r}; choose from xla, cudnn, splash")
@@ -277,3 +300,47 @@ def _splash_self_attention(q, k, v, valid, scale, softcap, window, interpret):
     per_kv = jax.vmap(one, in_axes=(0, 0, 0, None))
     out = jax.vmap(per_kv)(q, k, v, segments)  # [batch, kv, groups, padded, head_dim]
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, padded, num_heads, head_dim)[:, :seq]
+
+
+def _splash_sharded(q, k, v, valid, scale, softcap, window, interpret, layout):
+    """`_splash_self_attention` inside `jax.shard_map` over `layout.mesh`: XLA cannot partition a Mosaic kernel,
+    so each chip runs it on its own shard. The batch is split as `layout` splits `batch`, the query heads as it
+    splits `heads`; the sequence and head_dim are whole on every chip (a sequence split by the rules is gathered
+    here: causal attention needs every earlier key).
+
+    GQA: a chip holding `heads_per_shard` consecutive query heads needs the KV heads those read. With
+    `local_groups = gcd(heads_per_shard, groups)` query heads per KV head on the chip, K and V are repeated
+    `groups // local_groups` times along their heads before the shard_map and split like the queries. Where
+    the KV heads split evenly (`heads_per_shard % groups == 0`, e.g. 32 query and 8 KV heads on tensor=4) the
+    repeat is 1 and this is the plain split. Otherwise (e.g. 8 query and 2 KV heads on tensor=4: each chip's 2
+    query heads read one KV head, repeated twice) each chip holds `heads_per_shard // local_groups` KV heads
+    instead of all of them replicated: never more K/V memory per chip (`lcm(heads_per_shard, groups)` divides
+    `num_heads`), paid for by the repeat itself (K/V of the chip's heads written once more,
+    `[batch/shards, seq, heads_per_shard // local_groups, head_dim]` each) and, in the backward pass, the
+    gradients of the copies summed back into their KV head (a reduction over the head axes).
+    """
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    groups = num_heads // num_kv_heads
+    q_spec = layout.spec(("batch", None, "heads", None), q.shape)
+    q_spec = tuple(q_spec) + (None,) * (4 - len(q_spec))
+    batch_axes, head_axes = q_spec[0], q_spec[2]
+    head_shards = math.prod(layout.mesh.shape[a] for a in _axes_tuple(head_axes))
+    heads_per_shard = num_heads // head_shards
+    local_groups = math.gcd(heads_per_shard, groups)
+    repeat = groups // local_groups
+    if repeat > 1:  # kv head j -> copies j * repeat + r, each read by `local_groups` consecutive query heads
+        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
+    valid_spec = PartitionSpec(batch_axes, None)
+
+    def local(q, k, v, valid):
+        return _splash_self_attention(q, k, v, valid, scale, softcap, window, interpret)
+
+    sharded = jax.shard_map(local, mesh=layout.mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, valid_spec),
+                            out_specs=qkv_spec, check_vma=False)
+    return sharded(q, k, v, valid)
+
+
+def _axes_tuple(axes) -> tuple[str, ...]:
+    """A `PartitionSpec` entry (None, a mesh axis name or a tuple of them) as a tuple of names."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, resolve_implementation,
-                               self_attention, shared_prefix_attention, sliding_window_mask)
+                               self_attention, shared_prefix_attention, sliding_window_mask, target_platform)
 from models.configs import ModelConfig
 from models.partitioning import Layout
 
@@ -184,9 +184,11 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask, cache, cache_index, layer, layout: Layout | None = None):
         """x `[batch, seq, hidden]`; `cache`: a `KVCache`, a `GroupKVCache` or None. The segment's keys and
         values are written into this layer's slots `[cache_index, cache_index + seq)` (of the `own` part of a
-        `GroupKVCache`). `mask`: `[batch, seq, key_len]` bool with a cache, `(key_valid, window)` without.
-        `layout`: constrains the heads to their mesh axes (None: XLA decides). Returns
-        `(out [batch, seq, hidden], cache)`."""
+        `GroupKVCache`). `mask`: `(key_valid [batch, seq], window)` without a cache and for a prefill through
+        the self-attention kernel (`Transformer.__call__`: the segment fills an empty `KVCache` from slot 0;
+        it attends to its own keys as computed, also where the cache is int8); else `[batch, seq, key_len]`
+        bool over the cache. `layout`: constrains the heads to their mesh axes, and places the self-attention
+        kernel (None: XLA decides). Returns `(out [batch, seq, hidden], cache)`."""
         cfg = self.config
         batch, seq, _ = x.shape
         flat = x.reshape(batch * seq, -1)
@@ -203,10 +205,12 @@ class Attention(nnx.Module):
         q = rotary_embedding(q, positions, inv_freq)
         k = rotary_embedding(k, positions, inv_freq)
         settings = dict(scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
-        if cache is None:  # `mask` is (key_valid [batch, seq], sliding window or None)
+        if isinstance(mask, tuple):  # (key_valid [batch, seq], sliding window or None): no cache, or a prefill
             key_valid, window = mask
-            out = self_attention(q, k, v, key_valid, window=window,
-                                 implementation=resolve_implementation(cfg.attention_impl), **settings)
+            out = self_attention(q, k, v, key_valid, window=window, layout=layout,
+                                 implementation=attention_implementation(cfg, layout), **settings)
+            if cache is not None:
+                cache = cache.write(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), cache_index, layout)
         else:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # heads-major, as cached
             if isinstance(cache, GroupKVCache):
@@ -252,7 +256,7 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, masks, cache, cache_index, layer, layout: Layout | None = None):
-        if cache is None:  # the kernel builds its own mask from the padding and the window
+        if "full" not in masks:  # no cache, or a prefill: the kernel builds its own mask from padding and window
             mask = (masks["valid"], self.window if self.sliding else None)
         else:
             mask = masks["sliding" if self.sliding else "full"]
@@ -270,6 +274,21 @@ class Block(nnx.Module):
 
 
 HIDDEN_AXES = ("batch", "seq", "activation_embed")  # logical axes of the residual stream
+
+
+def attention_implementation(config: ModelConfig, layout: Layout | None) -> str:
+    """`config.attention_impl` resolved for the devices the program runs on: `layout.mesh`'s (a TPU topology
+    compiled for on a CPU host gets splash), else the default backend's."""
+    return resolve_implementation(config.attention_impl, target_platform(None if layout is None else layout.mesh))
+
+
+def is_kernel_prefill(config: ModelConfig, seq: int, cache, cache_index, layout: Layout | None) -> bool:
+    """Whether a segment of `seq` tokens is a prefill that goes through the self-attention kernel: it fills a
+    `KVCache` (not a `GroupKVCache`) of length `seq` from slot 0 (a static 0: the sampler's prompt pass), so
+    its keys are exactly its own tokens' and the attention is the training one (causal, padding, window), and
+    the resolved implementation is a kernel (`xla` keeps the dense attention over the cache)."""
+    return (isinstance(cache, KVCache) and isinstance(cache_index, int) and cache_index == 0
+            and cache.length == seq and attention_implementation(config, layout) != "xla")
 
 
 class Embedding(nnx.Module):
@@ -325,7 +344,8 @@ class Transformer(nnx.Module):
         if layout is not None:
             x = layout.constrain(x, HIDDEN_AXES)
         masks = {"valid": key_valid}
-        if cache is not None:  # dense masks over the cache; without one the attention kernel builds its own
+        if cache is not None and not is_kernel_prefill(cfg, tokens.shape[1], cache, cache_index, layout):
+            # dense masks over the cache; without one (or in a prefill) the attention kernel builds its own
             first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
             query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
             masks["full"] = causal_padding_mask(query_index, key_valid)
@@ -412,6 +432,11 @@ def apply(
         `prompt_len + own_len` with a `GroupKVCache`.
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
       cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`; scalar).
+
+    A prefill (a `KVCache` exactly as long as the segment, written from a static `cache_index` 0, so every slot
+    is overwritten) attends through the self-attention kernel of `config.attention_impl` unless that resolves
+    to `xla` (`is_kernel_prefill`). It attends to the segment's keys as computed: with an int8 cache it reads
+    the unquantized keys, where the `xla` path reads the quantized cache.
 
     Returns:
       `(hidden [batch, seq, hidden_size], updated cache or None)`.
