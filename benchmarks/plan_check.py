@@ -229,7 +229,8 @@ def _child(args: argparse.Namespace) -> int:
     except Exception as e:  # the parent records it and goes on with the other phases
         import traceback
 
-        traceback.print_exc()
+        if type(e).__name__ != "PlanError":  # bad input says it in one line; anything else, where it broke
+            traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0][:400]
         result = {"error": f"{type(e).__name__}: {first}"}
     with open(args.result, "w") as f:
@@ -274,7 +275,9 @@ def _plan_program(plan: dict | None, name: str) -> dict | None:
 def compare(measured: dict[str, dict], plan: dict | None, gpu: bool, tolerance: float = TOLERANCE) -> list[dict]:
     """One row per phase: measured time per call and per RL step, the plan's roofline time (the sampler's is
     its `prefill` plus `decode_step x max_new_tokens`), measured and predicted peak bytes per device and their
-    ratio; `flag` names a peak further than `tolerance` from the prediction (only for a GPU measurement).
+    ratio; `flag` names a peak further than `tolerance` from the prediction (only for a GPU measurement);
+    `peak_set_by`: when the process reached its peak (the compiler's scratch, making the inputs, or the calls:
+    only the last is the phase's own).
 
     `measured`: phase -> `measure_phase`'s figures (or {"error": ...}); `plan`: `jaxrl plan`'s JSON or None
     (then the prediction is the plan's estimate of the phase's own compile, `measured[...]["predicted"]`).
@@ -291,6 +294,8 @@ def compare(measured: dict[str, dict], plan: dict | None, gpu: bool, tolerance: 
         roofline = sum(p["time_s"] for p in found) if all(found) else m["predicted"]["time_s"]
         predicted = own["peak_bytes"] if own else m["predicted"]["peak_bytes"]
         ratio = m["peak_bytes"] / predicted if predicted else None
+        set_by = ("compile" if m["peak_bytes"] == m["peak_after_compile_bytes"] else
+                  "making the inputs" if m["peak_bytes"] == m["peak_after_inputs_bytes"] else "the calls")
         flag = None
         if gpu and ratio is not None and abs(ratio - 1) > tolerance:
             flag = f"peak {100 * (ratio - 1):+.0f}% off the prediction"
@@ -298,7 +303,8 @@ def compare(measured: dict[str, dict], plan: dict | None, gpu: bool, tolerance: 
                    roofline_s=roofline, roofline_step_s=None if roofline is None else roofline * m["calls_per_step"],
                    measured_over_roofline=m["median_s"] / roofline if roofline else None,
                    peak_bytes=m["peak_bytes"], peak_source=m["peak_source"], predicted_peak_bytes=predicted,
-                   predicted_from="plan" if own else "the phase's own compile", peak_ratio=ratio, flag=flag)
+                   predicted_from="plan" if own else "the phase's own compile", peak_set_by=set_by, peak_ratio=ratio,
+                   flag=flag)
         rows.append(row)
     return rows
 
@@ -322,7 +328,9 @@ def table(rows: list[dict], gpu: bool) -> str:
                       _fmt_s(r["step_s"]), _fmt_s(r["roofline_step_s"]),
                       "-" if r["measured_over_roofline"] is None else f"{r['measured_over_roofline']:.1f}",
                       f"{r['peak_bytes'] / GiB:.2f}", f"{r['predicted_peak_bytes'] / GiB:.2f}",
-                      "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.2f}", r["flag"] or ""))
+                      "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.2f}",
+                      "; ".join(filter(None, [r["flag"], gpu and r["peak_set_by"] != "the calls"
+                                              and f"peak set by {r['peak_set_by']}"]))))
     widths = [max(len(line[i]) for line in lines if len(line) > i and len(line) == len(head)) for i in range(len(head))]
     out = []
     for line in lines:
@@ -360,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         phases = phases_of(load(args.recipe, args.overrides))
-    except Exception as e:  # ConfigError, a missing file: one line
+        from jaxrl.plan.chips import CHIPS
+
+        if args.chip is not None and args.chip not in CHIPS:
+            raise ValueError(f"--chip {args.chip!r} is not a known chip; choose from {', '.join(CHIPS)}")
+    except Exception as e:  # ConfigError, a missing file, an unknown chip: one line
         print(f"plan_check: {e}", file=sys.stderr)
         return 2
     gpu = args.chip is None
@@ -402,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                 out = {"error": "skipped: the --budget ran out"}
             else:
                 out = _run_child(what, args, env, left)
+            if out.get("error", "").startswith("PlanError: no GPU attached"):
+                print(f"plan_check: {out['error'].removeprefix('PlanError: ')} (--chip H100 for a CPU smoke run)",
+                      file=sys.stderr)
+                return 2
             if what == "plan":
                 plan = out if "error" not in out else None
                 summary["plan_error"] = out.get("error")
