@@ -39,10 +39,10 @@ def test_smoke_measures_every_phase_of_the_default_recipe_beside_a_predicted_pea
         assert row["flag"] is None  # a CPU run is never flagged
         assert m["chip"] == "H100" and m["platform"] == "cpu"
     by_phase = dict(zip(measured, rows))
-    # the train step's inputs are the whole state: its prediction covers policy + Adam's two moments
-    assert by_phase["train_step"]["predicted_peak_bytes"] >= 3 * measured["logprobs"]["predicted"]["argument_bytes"] * 0.9
-    # the sampler and log-prob pass keep the optimizer state beside them (resident_elsewhere)
-    assert measured["sample"]["predicted"]["resident_elsewhere_bytes"] > 0
+    # the sampler keeps the optimizer state (Adam's two float32 moments) beside it; the train step's arguments are
+    # the whole state, so its prediction covers the policy (half the optimizer state) and the optimizer state
+    optimizer = measured["sample"]["predicted"]["resident_elsewhere_bytes"]
+    assert optimizer > 0 and by_phase["train_step"]["predicted_peak_bytes"] >= optimizer * 3 // 2
     assert by_phase["sample"]["roofline_s"] is None  # the whole sampler's roofline needs the plan's prefill + decode
     # random inputs as documented: a finite loss, so the update was applied; tokens sampled within the budget
     assert measured["train_step"]["skipped"] == [0.0]
@@ -72,10 +72,42 @@ def test_compare_takes_the_plans_figures_and_flags_a_peak_more_than_20_percent_o
     assert sample["predicted_peak_bytes"] == 100 and sample["predicted_from"] == "plan"
     assert sample["peak_ratio"] == pytest.approx(1.19) and sample["flag"] is None
     # no plan row for logprobs: its own compile's prediction, half of it measured: flagged
-    assert logprobs["predicted_from"] == "the phase's own compile" and logprobs["flag"] == "peak -50% off the prediction"
-    assert train["roofline_step_s"] == 1.0 and train["step_s"] == 2.0 and train["flag"] == "peak +30% off the prediction"
+    assert logprobs["predicted_from"] == "the phase's own compile"
+    assert logprobs["flag"] == "peak -50% off the prediction"
+    assert train["roofline_step_s"] == 1.0 and train["step_s"] == 2.0
+    assert train["flag"] == "peak +30% off the prediction"
     assert train["peak_set_by"] == "the calls"
     assert rows["values"] == {"phase": "values", "error": "timed out"}
     assert not [r for r in pc.compare(measured, plan, gpu=False) if r.get("flag")]  # CPU: never flagged
     text = pc.table(list(rows.values()), gpu=True)
     assert "+30% off" in text and "error: timed out" in text
+
+
+def test_random_like_gives_valid_inputs_with_the_abstract_sharding():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    pc = _plan_check()
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    placed = NamedSharding(mesh, PartitionSpec("data"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    tree = {"weight": jax.ShapeDtypeStruct((64, 8), jnp.bfloat16, sharding=placed),
+            "nu": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=placed),
+            "tokens": jax.ShapeDtypeStruct((4, 100), jnp.int32, sharding=placed),
+            "valid": jax.ShapeDtypeStruct((4, 100), jnp.bool_, sharding=placed),
+            "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+            "temperature": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+            "rng": jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)}
+    out = pc.random_like(tree, vocab_size=7)
+    for name, leaf in tree.items():
+        assert out[name].shape == leaf.shape and out[name].dtype == leaf.dtype and out[name].sharding == leaf.sharding
+    for name in ("weight", "nu"):
+        values = jnp.asarray(out[name], jnp.float32)
+        assert float(values.min()) > 0 and float(values.max()) < 0.021 and float(values.std()) > 0
+    assert 0 <= int(out["tokens"].min()) and int(out["tokens"].max()) < 7 and len(set(out["tokens"].ravel().tolist())) > 1
+    assert bool(out["valid"].all()) and int(out["count"]) == 0 and float(out["temperature"]) == 1.0
+    jax.random.uniform(out["rng"])  # a usable key
+    with pytest.raises(ValueError, match="complex64"):
+        pc.random_like({"z": jax.ShapeDtypeStruct((2,), jnp.complex64, sharding=placed)}, vocab_size=7)
