@@ -170,6 +170,7 @@ def measure_phase(config, phase: str, steps: int = 3, chip: str | None = None, s
 
     vocab = built.model.vocab_size
     args = random_like(program.args, vocab, seed)
+    # the state that stays on the device while this phase runs (not an argument): held until the end, in the peak
     beside = random_like({name: built.resident[name] for name in program.resident_elsewhere}, vocab, seed + 10_000)
     jax.block_until_ready((args, beside))
     peak_after_inputs, _ = _peak(devices)
