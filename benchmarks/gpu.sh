@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu.sh train    # RL train step throughput and MFU
 #   bash benchmarks/gpu.sh profile  # the sampler's kernels, batch 64 and 256 (benchmarks/profile_decode.py)
 #   bash benchmarks/gpu.sh overlap  # the default recipe, synchronous vs one-step overlap (needs grain)
+#   bash benchmarks/gpu.sh plan [qwen|llama]  # each phase of an RL step beside jaxrl plan's prediction
+#                                   # (benchmarks/plan_check.py); both recipes, or one with the whole call
 # Logs go to $OUT (or ./gpu-logs). Uses the machine's python3 with jax[cuda], flax, optax installed.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -55,8 +57,21 @@ overlap)  # deterministic reductions, so both modes warm-start from the same pol
   XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY benchmarks/overlap.py --seeds 0 2>&1 | tee "$OUT/overlap.txt"
   for mode in sync overlap; do cp "runs/overlap-$mode-s0-0/timings.jsonl" "$OUT/timings_$mode.jsonl"; done
   ;;
+plan)  # real lengths, random weights, 3 RL steps per phase; each recipe bounded so that the call ends in 10 min.
+  # Both recipes in one call give each 290 s (--budget: phases not started in time are reported as skipped);
+  # `plan qwen` or `plan llama` gives one recipe the whole call (the way to get every phase of both: two calls).
+  which=${2:-both}
+  limit=$([ "$which" = both ] && echo 290 || echo 580)
+  for recipe in qwen2.5-math-1.5b-gsm8k:qwen2.5-math-1.5b llama3.2-1b-instruct-gsm8k:llama3.2-1b; do
+    name=${recipe%%:*} model=${recipe##*:}
+    case "$which" in both) ;; qwen) [ "${name#qwen}" != "$name" ] || continue ;;
+      llama) [ "${name#llama}" != "$name" ] || continue ;; *) echo "plan: qwen, llama or nothing" >&2; exit 2 ;; esac
+    timeout $limit $PY benchmarks/plan_check.py "configs/$name.yaml" "plan.model=$model" --steps 3 \
+      --budget $((limit - 20)) --out "$OUT/plan_check_$name.json" 2>&1 | tee "$OUT/plan_check_$name.txt"
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu.sh checks|sample|sample-flags|train|profile|overlap" >&2
+  echo "usage: bash benchmarks/gpu.sh checks|sample|sample-flags|train|profile|overlap|plan [qwen|llama]" >&2
   exit 2
   ;;
 esac
