@@ -154,7 +154,7 @@ def measure_phase(config, phase: str, steps: int = 3, chip: str | None = None, s
 
     topology = target(chip)
     mesh = mesh_for(topology, config.mesh)
-    built = step_programs(config, layout_for(config, mesh))
+    built = step_programs(config, layout_for(config, mesh), whole_sampler=True)
     programs = {p.name: p for p in built.programs}
     if phase not in programs:
         raise ValueError(f"phase {phase!r} is not a program of this recipe's step; it has {', '.join(programs)}")
@@ -165,7 +165,8 @@ def measure_phase(config, phase: str, steps: int = 3, chip: str | None = None, s
     compiled, compile_s = est.compile_program(program)
     elsewhere = sum(resident[name] for name in program.resident_elsewhere)
     predicted = est.estimate(program, compiled, compile_s, topology.chip, elsewhere,
-                             est.tree_bytes(built.resident), est.expected_shapes(built.resident))
+                             est.tree_bytes(built.resident),
+                             est.expected_shapes(built.resident, dict(mesh.shape)))
     peak_after_compile, _ = _peak(devices)
 
     vocab = built.model.vocab_size

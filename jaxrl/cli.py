@@ -107,7 +107,7 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxrl.plan import command
 
     return command(config, args.config, args.overrides, topology=args.topology, slices=args.slices,
-                   suggest=not args.no_suggest, json_only=args.json)
+                   suggest=not args.no_suggest, json_only=args.json, whole_sampler=args.whole_sampler)
 
 
 def _bench_sample(args: argparse.Namespace) -> int:
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default 1)")
     plan.add_argument("--no-suggest", action="store_true", help="do not search for a change when it does not fit")
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
+    plan.add_argument("--whole-sampler", action="store_true", help="also compile the sampler as one program (its "
+                      "real memory; the slowest compile) beside its prefill and decode step")
     plan.set_defaults(handler=_plan)
     bench = commands.add_parser("bench", help="benchmarks (random weights, fixed workloads)",
                                 description="Benchmarks on random weights; each prints one JSON line, then a table.")

@@ -59,7 +59,7 @@ def test_whole_step_compiles_for_v5e_and_reports_memory_and_flops(v5e_plan):
     assert plan["topology"] == "v5e:2x2" and plan["chips"] == 4 and plan["chip"] == "v5e"
     assert plan["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
     names = [p["name"] for p in plan["programs"]]
-    assert names == ["sample", "prefill", "decode_step", "logprobs", "train_step", "eval_sample"]
+    assert names == ["prefill", "decode_step", "logprobs", "train_step"]
     for program in plan["programs"]:
         assert program["peak_bytes"] > 0 and program["argument_bytes"] > 0, program["name"]
         assert program["flops"] > 0, program["name"]
@@ -73,7 +73,7 @@ def test_whole_step_compiles_for_v5e_and_reports_memory_and_flops(v5e_plan):
 def test_splash_kernel_runs_in_training_and_prefill(v5e_plan):
     _, out, _ = v5e_plan
     kernels = {p["name"]: p["pallas_kernels"] for p in _json(out)["programs"]}
-    for name in ("prefill", "sample", "logprobs", "train_step"):
+    for name in ("prefill", "logprobs", "train_step"):
         assert any("splash" in k for k in kernels[name]), (name, kernels[name])
     # the backward kernels of the train step: splash's dq / dkv
     assert any("dkv" in k or "dq" in k for k in kernels["train_step"]), kernels["train_step"]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 
 def command(config, config_path: str | None, overrides: Sequence[str], *, topology: str | None = None,
-            slices: int = 1, suggest: bool = True, json_only: bool = False) -> int:
+            slices: int = 1, suggest: bool = True, json_only: bool = False, whole_sampler: bool = False) -> int:
     """`jaxrl plan`: print the plan (table, then one JSON line); 0 if it fits, 1 if not, 2 on bad input."""
     from jaxrl.plan import planner, report
     from jaxrl.plan.topology import PlanError, resolve
@@ -27,7 +27,7 @@ def command(config, config_path: str | None, overrides: Sequence[str], *, topolo
         if name is None:
             raise PlanError("no topology: pass --topology (e.g. v5e:8x8, v5p:4x4x4, gpu) or set plan.topology")
         target = resolve(name, slices)
-        plan = planner.make_plan(config, target, overrides=overrides, progress=progress)
+        plan = planner.make_plan(config, target, overrides=overrides, whole_sampler=whole_sampler, progress=progress)
         suggestion = None
         if suggest and not plan.fits:
             suggestion = planner.fit_or_suggest(config_path, overrides, plan, target,

@@ -107,17 +107,18 @@ class Plan:
 
 def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = (),
               reuse: dict[str, est.ProgramEstimate] | None = None, only: Sequence[str] | None = None,
-              progress: Callable[[str], None] | None = None) -> Plan:
+              whole_sampler: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
     """Compile every program of one RL step of `config` for `topology` and collect their figures.
 
     `reuse`: estimates of programs that the change from an earlier plan leaves as they were (by name), not
-    compiled again. `only`: plan just the programs of these names (e.g. `train_step` while tuning it). When
+    compiled again. `only`: plan just the programs of these names (e.g. `train_step` while tuning it).
+    `whole_sampler`: also compile the sampler as the one program it is (`programs.step_programs`). When
     the resident state alone exceeds a chip's usable HBM nothing is compiled.
     """
     mesh = mesh_for(topology, config.mesh)
     try:
         model = model_config(config)
-        built = step_programs(config, layout_for(config, mesh), model)
+        built = step_programs(config, layout_for(config, mesh), model, whole_sampler=whole_sampler)
     except ValueError as e:
         raise PlanError(str(e)) from None
     resident = {name: state_bytes_per_chip(tree) for name, tree in built.resident.items()}
@@ -174,8 +175,8 @@ _AFFECTS = {
     "rl.micro_batches": {"train_step"},
     "pretrained.remat": {"train_step", "logprobs", "values"},
     "model.remat": {"train_step", "logprobs", "values"},
-    "rl.sampling.kv_cache_dtype": {"sample", "prefill", "decode_step", "greedy_sample", "eval_sample"},
-    "eval.batch_size": {"eval_sample"},
+    "rl.sampling.kv_cache_dtype": {"sample", "prefill", "decode_step", "eval_decode_step"},
+    "eval.batch_size": {"eval_decode_step"},
 }
 
 
@@ -203,7 +204,7 @@ def _candidates(config: Config, plan: Plan) -> list[list[str]]:
     if "resident" in failing:
         return _mesh_changes(config)
     training = failing & {"train_step"}
-    sampling = failing & {"sample", "prefill", "decode_step", "greedy_sample", "eval_sample"}
+    sampling = failing & {"sample", "prefill", "decode_step", "eval_decode_step"}
     options_train: list[list[str]] = []
     if training:
         rows = plan.shapes["minibatch"]
@@ -222,7 +223,7 @@ def _candidates(config: Config, plan: Plan) -> list[list[str]]:
     if sampling:
         if rl.sampling.kv_cache_dtype != "int8":
             options_sample.append(["rl.sampling.kv_cache_dtype=int8"])
-        if "eval_sample" in sampling and config.eval.batch_size // 2 >= plan.shapes["data_parallel"]:
+        if "eval_decode_step" in sampling and config.eval.batch_size // 2 >= plan.shapes["data_parallel"]:
             options_sample.append(["eval.batch_size=%d" % (config.eval.batch_size // 2)])
     if training and sampling:
         for a in options_train or [[]]:

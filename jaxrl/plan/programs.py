@@ -6,14 +6,17 @@ compiled for an unattached TPU topology (`jaxrl.plan`) or filled with random arr
 hand (`benchmarks/plan_check.py`).
 
 One RL step (`jaxrl.loop`) runs, on the recipe's real shapes:
-- `sample`: the sampler (`jaxrl.sampling._sample`: prefill of the distinct prompts, then the decode loop);
-  for the time estimate also `prefill` and one `decode_step` on their own;
+- the sampler (`jaxrl.sampling._sample`), planned as its two parts: `prefill` (the distinct prompts into
+  their cache, through the self-attention kernel) and `decode_step` (one new token of every sequence against
+  the longest cache, counted `max_new_tokens` times); with `whole_sampler` also `sample`, the sampler itself
+  (its decode loop unrolled per segment: the slowest program to compile, and XLA's cost analysis counts a
+  loop body once, so its time is not taken from it);
 - `logprobs`: the sampling-time policy's log-probs of the rollout (and the reference's, with a KL term);
 - `values`: the critic's values of the rollout, with a critic;
 - `train_step`: one optimizer step on a mini-batch (`epochs x minibatches` per RL step), gradients
   accumulated over `micro_batches`;
-- `greedy_sample`: ReMax's greedy baseline, with that estimator;
-- `eval_sample`: the held-out evaluation's greedy sampler (every `eval.every` steps, not in the step itself).
+- `eval_decode_step`: the held-out evaluation's decode step (every `eval.every` steps, not in the step itself),
+  when its cache is larger than the rollout's.
 """
 
 from __future__ import annotations
@@ -157,11 +160,11 @@ def _forward_flops(model: ModelConfig, tokens: int, context: float) -> float:
 
 
 def step_programs(config: Config, layout: models.Layout, model: ModelConfig | None = None,
-                  prompt_len: int | None = None) -> StepPrograms:
+                  prompt_len: int | None = None, whole_sampler: bool = False) -> StepPrograms:
     """Every program of one RL step of `config` on `layout` (mesh + rules), with abstract inputs.
 
     `model` defaults to `model_config(config)`, `prompt_len` (the padded prompt length: the data's largest
-    bucket) to `config.plan.prompt_len`.
+    bucket) to `config.plan.prompt_len`. `whole_sampler`: also the sampler as one program (`sample`).
     """
     model = model or model_config(config)
     model.validate()
@@ -217,13 +220,11 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     sampler = _sampler(rl.sampling, sampled_group)
     prompt_tokens = _rows(mesh, (sampled_prompts, prompt_len), jnp.int32)
     prompt_valid = _rows(mesh, (sampled_prompts, prompt_len), jnp.bool_)
-    sample_flops = (_forward_flops(model, sampled_prompts * prompt_len, prompt_len / 2)
-                    + _forward_flops(model, sequences * new, prompt_len + new / 2))
-    programs.append(Program("sample", _Lowerable(sampler),
-                            (policy, prompt_tokens, prompt_valid, _key(mesh), temperature),
-                            calls_per_step=1, resident_elsewhere=others("policy"), model_flops=sample_flops,
-                            timed=False, note=f"{sampled_prompts} prompts x {sampled_group} samples, "
-                                              f"{new} new tokens"))
+    if whole_sampler:
+        programs.append(Program("sample", _Lowerable(sampler),
+                                (policy, prompt_tokens, prompt_valid, _key(mesh), temperature),
+                                calls_per_step=1, resident_elsewhere=others("policy"), timed=False,
+                                note=f"{sampled_prompts} prompts x {sampled_group} samples, {new} new tokens"))
     programs.append(_prefill(policy, rl.sampling, prompt_tokens, prompt_valid, others("policy")))
     programs.append(_decode_step(policy, rl.sampling, sampled_prompts, sampled_group, prompt_len, new, mesh,
                                  others("policy")))
@@ -259,17 +260,14 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
                             resident_elsewhere=others(*used), model_flops=train_flops,
                             note=f"{minibatch} rows in {rl.micro_batches} micro-batches"))
 
-    # -- ReMax's greedy baseline, and the held-out evaluation (not part of the step)
-    greedy = dataclasses.replace(rl.sampling, temperature=0.0)
-    if loss_config.advantage.estimator == "remax":
-        programs.append(Program("greedy_sample", _Lowerable(_sampler(greedy, 1)),
-            (policy, _rows(mesh, (prompts, prompt_len), jnp.int32), _rows(mesh, (prompts, prompt_len), jnp.bool_),
-             _key(mesh), None), calls_per_step=1, resident_elsewhere=others("policy"), timed=False))
+    # -- the held-out evaluation (not part of the step): its decode step when its cache is the larger. ReMax's
+    # greedy baseline samples the step's prompts once each: smaller than the rollout.
     eval_rows = config.eval.batch_size
-    programs.append(Program("eval_sample", _Lowerable(_sampler(greedy, 1)),
-        (policy, _rows(mesh, (eval_rows, prompt_len), jnp.int32), _rows(mesh, (eval_rows, prompt_len), jnp.bool_),
-         _key(mesh), None), calls_per_step=0, resident_elsewhere=others("policy"), timed=False,
-        note=f"{eval_rows} prompts, greedy"))
+    if eval_rows * total_len > sampled_prompts * prompt_len + sequences * new:
+        greedy = dataclasses.replace(rl.sampling, temperature=0.0)
+        programs.append(dataclasses.replace(
+            _decode_step(policy, greedy, eval_rows, 1, prompt_len, new, mesh, others("policy")),
+            name="eval_decode_step", calls_per_step=0, timed=False, note=f"{eval_rows} prompts, greedy"))
     return StepPrograms(model, layout, tuple(programs), resident, shapes)
 
 
