@@ -76,22 +76,32 @@ class ProgramEstimate:
         return sum(c["traffic_bytes"] for c in self.collectives.values())
 
 
-def compile_program(program: Program):
-    """`(compiled, seconds)`: the program lowered and compiled for its arguments' devices. The persistent
-    compilation cache is off meanwhile: a compile-only TPU executable cannot be loaded back from it (jax warns
-    "PjRtCompiler must be constructed with a Client"), so entries would only cost time and disk."""
+# XLA's execution-time optimisation effort for the plan's compiles (jax's `jax_exec_time_optimization_effort`,
+# -1 to 1, 0 by default). At -1 a 7B model's programs compile about 3x faster and in far less host memory (the
+# train step at 0 took over 19 GB of this machine's 24 and was killed); the memory figures come out a little
+# higher (a Qwen2.5-7B layer's log-prob pass: 0.57 GiB of temporaries against 0.51), so a plan errs on the
+# side of not fitting. `jaxrl plan --effort 0` compiles as training does.
+FAST_EFFORT = -1.0
+
+
+def compile_program(program: Program, effort: float = FAST_EFFORT):
+    """`(compiled, seconds)`: the program lowered and compiled for its arguments' devices at XLA optimisation
+    `effort`. The persistent compilation cache is off meanwhile: a compile-only TPU executable cannot be loaded
+    back from it (jax warns "PjRtCompiler must be constructed with a Client"), so entries would only cost time
+    and disk."""
     start = time.perf_counter()
-    with _compilation_cache(False):
+    with _config_state("enable_compilation_cache", False), _config_state("exec_time_optimization_effort", effort):
         compiled = program.lower().compile()
     return compiled, time.perf_counter() - start
 
 
-def _compilation_cache(enabled: bool):
-    try:  # jax's config states are context managers; this one has no public alias
-        from jax._src.config import enable_compilation_cache
-    except ImportError:  # pragma: no cover - a jax that moved it: compile with the cache as configured
-        return contextlib.nullcontext()
-    return enable_compilation_cache(enabled)
+def _config_state(name: str, value):
+    """jax's config option `name` set to `value` for a `with` block (its states are context managers; these two
+    have no public alias). A jax without it compiles as configured."""
+    from jax._src import config
+
+    state = getattr(config, name, None)
+    return state(value) if state is not None else contextlib.nullcontext()
 
 
 def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resident_elsewhere_bytes: int,

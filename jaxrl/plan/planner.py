@@ -246,39 +246,42 @@ def fit_or_suggest(config_path: str | None, overrides: Sequence[str], plan: Plan
                    resolve: Callable[[str], Topology], max_tries: int = 6,
                    progress: Callable[[str], None] | None = None) -> Suggestion | None:
     """The cheapest change that makes an unfitting `plan` fit, checked by planning again with it (None when
-    `plan` fits or nothing tried fits). Config changes first (`_candidates`), then larger topologies of the
-    same generation (`_larger_topologies`)."""
+    `plan` fits or nothing tried within `max_tries` plans fits). Config changes on `topology` first
+    (`_candidates`), then larger slices of its generation (`_larger_topologies`), each as it is and then with
+    the config changes its own plan calls for."""
     if plan.fits:
         return None
     config = load_config(Config, config_path, list(overrides))
     only = [p.name for p in plan.programs] or None  # the same programs as `plan`
     tries = 0
-    for change in _candidates(config, plan):
+    for name in [None, *_larger_topologies(topology, plan)]:
         if tries >= max_tries:
             break
-        tries += 1
-        changed = load_config(Config, config_path, [*overrides, *change])
-        affected = set().union(*(_AFFECTS.get(c.split("=", 1)[0], {"*"}) for c in change))
-        reuse = {} if "*" in affected else {p.name: p for p in plan.programs if p.name not in affected}
-        if progress:
-            progress(f"trying {' '.join(change)}")
-        candidate = make_plan(changed, topology, overrides=[*overrides, *change], reuse=reuse, only=only,
-                              progress=progress)
-        if candidate.fits:
-            return Suggestion(tuple(change), None, candidate)
-    for name in _larger_topologies(topology, plan):
-        if tries >= max_tries:
-            break
-        tries += 1
-        if progress:
-            progress(f"trying --topology {name}")
-        larger = resolve(name)
-        try:
-            candidate = make_plan(config, larger, overrides=overrides, only=only, progress=progress)
-        except PlanError:
-            continue  # e.g. the mesh does not split over this many chips
-        if candidate.fits:
-            return Suggestion((), name, candidate)
+        target, base = topology, plan
+        if name is not None:
+            tries += 1
+            if progress:
+                progress(f"trying --topology {name}")
+            target = resolve(name)
+            try:
+                base = make_plan(config, target, overrides=overrides, only=only, progress=progress)
+            except PlanError:
+                continue  # e.g. the mesh does not split over this many chips
+            if base.fits:
+                return Suggestion((), name, base)
+        for change in _candidates(config, base):
+            if tries >= max_tries:
+                break
+            tries += 1
+            changed = load_config(Config, config_path, [*overrides, *change])
+            affected = set().union(*(_AFFECTS.get(c.split("=", 1)[0], {"*"}) for c in change))
+            reuse = {} if "*" in affected else {p.name: p for p in base.programs if p.name not in affected}
+            if progress:
+                progress(f"trying {' '.join(change)}{'' if name is None else f' on {name}'}")
+            candidate = make_plan(changed, target, overrides=[*overrides, *change], reuse=reuse, only=only,
+                                  progress=progress)
+            if candidate.fits:
+                return Suggestion(tuple(change), name, candidate)
     return None
 
 
