@@ -43,7 +43,7 @@ from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, i
                             wait_for_all_processes)
 from jaxrl.tokenizer import (BaseTokenizer, ChatTemplateError, TokenizerError, encode_examples, encode_prompt,
                              left_pad, load_tokenizer, round_up, train_tokenizer)
-from jaxrl.train import (TrainState, completion_logprobs, copy_arrays, critic_values, init_critic, init_train_state,
+from jaxrl.train import (TrainState, by_micro_batches, completion_logprobs, copy_arrays, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
 from models.hf import CheckpointError
 
@@ -761,7 +761,9 @@ def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, po
     step_args["donate"] = not rl.overlap
     step_fn = make_rl_step(optimizer, objective, **step_args)
     warmup_fn = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
-    logprob_fn, value_fn = jax.jit(completion_logprobs), jax.jit(critic_values)
+    # the rollout's log-probs and values in rl.micro_batches groups of rows: the train step's activation bound
+    logprob_fn = jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches))
+    value_fn = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
     component_weights = config.reward.component_weights()  # name -> weight; the `[B, K]` columns' order
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         advantage_fn=advantage_fn,

@@ -191,6 +191,22 @@ def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) ->
     return hidden @ critic.params["head"]["kernel"] + critic.params["head"]["bias"]
 
 
+def by_micro_batches(fn: Callable, micro_batches: int) -> Callable:
+    """`fn(model, tokens [B, L], prompt_valid [B, Lp], *rest)`, whose outputs are `[B, ...]` per row, run on
+    `micro_batches` groups of rows one after another (`lax.map`): its activations are those of `B /
+    micro_batches` rows. Rows are grouped as the train step's micro-batches are (`_split_micro_batches`: each
+    group spans every data-parallel shard); the result equals `fn` on the whole batch."""
+    if micro_batches == 1:
+        return fn
+
+    def mapped(model, tokens, prompt_valid, *rest):
+        split = _split_micro_batches({"tokens": tokens, "prompt_valid": prompt_valid}, micro_batches)
+        out = jax.lax.map(lambda mb: fn(model, mb["tokens"], mb["prompt_valid"], *rest), split)
+        return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(tokens.shape[0], *x.shape[2:]), out)
+
+    return mapped
+
+
 def _full_kl_to_reference(policy: Policy, ref_policy: Policy, tokens, prompt_valid, temperature) -> jax.Array:
     """`[B, N]` exact KL(pi || ref) over the vocabulary at each completion position (ref: no gradient)."""
     def log_probs(p):

@@ -19,7 +19,8 @@ from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.losses import Controls, LossConfig
 from jaxrl.metrics import read_metrics
-from jaxrl.train import completion_logprobs, critic_values, init_critic, init_train_state, make_rl_gradients
+from jaxrl.train import (by_micro_batches, completion_logprobs, critic_values, init_critic, init_train_state,
+                         make_rl_gradients)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reward_fns  # noqa: E402
@@ -53,6 +54,25 @@ def _batch(policy, seed=0, critic=None):
         batch["old_values"] = values + jnp.asarray(rng.normal(0, 0.1, (B, N)), jnp.float32)
         batch["returns"] = jnp.asarray(rng.normal(size=(B, N)), jnp.float32) * mask
     return batch
+
+
+def test_logprobs_and_values_by_micro_batches_equal_the_whole_batch():
+    """The rollout's log-prob and value passes run in rl.micro_batches groups of rows (the train step's
+    activation bound): the same numbers as the whole batch at once, row for row."""
+    policy = models.init(MODEL, 0)
+    critic = init_critic(policy)
+    critic = critic.replace(params={**critic.params, "head": {"kernel": jnp.linspace(-1, 1, MODEL.hidden_size),
+                                                               "bias": jnp.float32(0.5)}})
+    batch = _batch(policy)
+    tokens, prompt_valid = batch["tokens"], batch["prompt_valid"]
+    whole = jax.jit(completion_logprobs)(policy, tokens, prompt_valid, 0.7)
+    parts = jax.jit(by_micro_batches(completion_logprobs, 4))(policy, tokens, prompt_valid, 0.7)
+    for a, b in zip(whole, parts):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    values = jax.jit(by_micro_batches(critic_values, 8))(critic, tokens, prompt_valid)
+    np.testing.assert_allclose(np.asarray(values), np.asarray(critic_values(critic, tokens, prompt_valid)),
+                               rtol=1e-6, atol=1e-6)
+    assert by_micro_batches(completion_logprobs, 1) is completion_logprobs
 
 
 def _relative_error(a, b):

@@ -172,7 +172,7 @@ def _parameters(model) -> int:
 
 # Which programs a change of each config key can change (the rest are reused from the plan before it).
 _AFFECTS = {
-    "rl.micro_batches": {"train_step"},
+    "rl.micro_batches": {"train_step", "logprobs", "values"},
     "pretrained.remat": {"train_step", "logprobs", "values"},
     "model.remat": {"train_step", "logprobs", "values"},
     "rl.sampling.kv_cache_dtype": {"sample", "prefill", "decode_step", "eval_decode_step"},
@@ -203,21 +203,23 @@ def _candidates(config: Config, plan: Plan) -> list[list[str]]:
     changes: list[list[str]] = []
     if "resident" in failing:
         return _mesh_changes(config)
-    training = failing & {"train_step"}
+    training = failing & {"train_step", "logprobs", "values"}
     sampling = failing & {"sample", "prefill", "decode_step", "eval_decode_step"}
     options_train: list[list[str]] = []
     if training:
         rows = plan.shapes["minibatch"]
         micro = rl.micro_batches
-        if remat == "none":
+        remats = [] if "train_step" not in training else ["dots", "full"] if remat == "none" else \
+            ["full"] if remat == "dots" else []  # remat changes the backward pass only
+        if "dots" in remats:
             options_train.append([f"{remat_key}=dots"])
         for factor in (2, 4, 8):
             m = micro * factor
             if rows % m == 0 and (rows // m) % plan.shapes["data_parallel"] == 0:
                 options_train.append([f"rl.micro_batches={m}"])
-                if remat != "full":
+                if "full" in remats:
                     options_train.append([f"rl.micro_batches={m}", f"{remat_key}=full"])
-        if remat != "full":
+        if "full" in remats:
             options_train.insert(min(2, len(options_train)), [f"{remat_key}=full"])
     options_sample: list[list[str]] = []
     if sampling:

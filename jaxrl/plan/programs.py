@@ -37,7 +37,7 @@ from jaxrl import losses
 from jaxrl.config import Config
 from jaxrl.sampling import SamplingConfig, _sample, decode_segments
 from jaxrl.sharding import BATCH_AXES, data_parallel_size, rules_from
-from jaxrl.train import (Critic, TrainState, completion_logprobs, critic_values, make_optimizer, make_rl_step,
+from jaxrl.train import (Critic, TrainState, by_micro_batches, completion_logprobs, critic_values, make_optimizer, make_rl_step,
                          opt_state_shardings, param_shardings)
 from models.configs import ModelConfig
 from models.transformer import GroupKVCache, KVCache
@@ -233,12 +233,15 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     tokens = _rows(mesh, (sequences, total_len), jnp.int32)
     valid = _rows(mesh, (sequences, prompt_len), jnp.bool_)
     logprob_flops = _forward_flops(model, sequences * total_len, total_len / 2)
-    programs.append(Program("logprobs", jax.jit(completion_logprobs), (policy, tokens, valid, temperature),
+    programs.append(Program("logprobs", jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches)),
+                            (policy, tokens, valid, temperature),
                             calls_per_step=1 + keep_ref, resident_elsewhere=others("policy"),
                             model_flops=logprob_flops,
-                            note="policy and reference" if keep_ref else "policy"))
+                            note=f"{'policy and reference' if keep_ref else 'policy'}, {rl.micro_batches} "
+                                 "micro-batches"))
     if critic is not None:
-        programs.append(Program("values", jax.jit(critic_values), (critic, tokens, valid), calls_per_step=1,
+        programs.append(Program("values", jax.jit(by_micro_batches(critic_values, rl.micro_batches)),
+                                (critic, tokens, valid), calls_per_step=1,
                                 resident_elsewhere=others("critic"), model_flops=logprob_flops))
 
     # -- the optimizer step on one mini-batch
