@@ -280,6 +280,10 @@ class PlanConfig:
     model: str | None = None
     prompt_len: int = _field(512, gt=0)  # the longest padded prompt of the data, in tokens (its largest bucket)
     topology: str | None = None  # default for `--topology`, e.g. v5e:8x8
+    # Two layer counts [d1, d2] below the model's: its programs are compiled at those depths and every figure
+    # extrapolated linearly to the full depth (the layers are unrolled, so a 32B model's train step would take
+    # longer and more host memory to compile than this machine has). Empty: compile at the full depth.
+    depths: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

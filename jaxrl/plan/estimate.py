@@ -135,6 +135,36 @@ def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resid
         comm_s=traffic / chip.ici_bytes_per_s)
 
 
+def extrapolate(first: ProgramEstimate, second: ProgramEstimate, depths: tuple[int, int], layers: int,
+                resident_elsewhere_bytes: int) -> ProgramEstimate:
+    """The estimate of a program at `layers` layers from the same program compiled at `depths` (d1 < d2)
+    layers: every figure linear in the layer count (the layers are identical and unrolled), negative results
+    clamped to 0; compile time is the two compiles' sum. `resident_elsewhere_bytes` at the full depth."""
+    d1, d2 = depths
+    scale = (layers - d1) / (d2 - d1)
+
+    def line(a, b):
+        return max(a + (b - a) * scale, 0)
+
+    def whole(a, b):
+        return int(round(line(a, b)))
+
+    kinds = set(first.collectives) | set(second.collectives)
+    zero = {"count": 0, "bytes": 0, "traffic_bytes": 0}
+    collectives = {k: {f: whole(first.collectives.get(k, zero)[f], second.collectives.get(k, zero)[f]) for f in zero}
+                   for k in kinds}
+    kernels = {k: whole(first.kernels.get(k, 0), second.kernels.get(k, 0))
+               for k in set(first.kernels) | set(second.kernels)}
+    numbers = {f: line(getattr(first, f), getattr(second, f))
+               for f in ("flops", "bytes_accessed", "model_flops", "compute_s", "memory_s", "comm_s")}
+    sizes = {f: whole(getattr(first, f), getattr(second, f))
+             for f in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes")}
+    return dataclasses.replace(
+        second, compile_s=first.compile_s + second.compile_s, resident_elsewhere_bytes=resident_elsewhere_bytes,
+        collectives=collectives, kernels=kernels, unexpected=tuple(dict.fromkeys(first.unexpected + second.unexpected)),
+        note=f"{second.note}; from {d1} and {d2} layers".lstrip("; "), **numbers, **sizes)
+
+
 def _cost(compiled) -> dict:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation

@@ -35,6 +35,7 @@ class Plan:
     resident: dict[str, int]  # name -> bytes per chip of the state that lives across programs
     programs: tuple[est.ProgramEstimate, ...]
     overrides: tuple[str, ...] = ()  # config overrides this plan was made with
+    depths: tuple[int, ...] = ()  # layer counts compiled and extrapolated from (empty: the full depth)
 
     @property
     def hbm_bytes(self) -> int:
@@ -116,27 +117,63 @@ def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = 
     the resident state alone exceeds a chip's usable HBM nothing is compiled.
     """
     mesh = mesh_for(topology, config.mesh)
+    depths = tuple(config.plan.depths)
     try:
         model = model_config(config)
-        built = step_programs(config, layout_for(config, mesh), model, whole_sampler=whole_sampler)
+        _check_depths(depths, model.num_layers)
+        layout = layout_for(config, mesh)
+        built = step_programs(config, layout, model, whole_sampler=whole_sampler)
+        shallow = [step_programs(config, layout, _shallow(model, d), whole_sampler=whole_sampler) for d in depths]
     except ValueError as e:
         raise PlanError(str(e)) from None
     resident = {name: state_bytes_per_chip(tree) for name, tree in built.resident.items()}
     plan = Plan(topology=topology, mesh=dict(mesh.shape), model=_describe(model), parameters=_parameters(model),
-                shapes=built.shapes, resident=resident, programs=(), overrides=tuple(overrides))
+                shapes=built.shapes, resident=resident, programs=(), overrides=tuple(overrides), depths=depths)
     if plan.resident_bytes > plan.usable_bytes:
         return plan
+    names = [p.name for p in built.programs]
     if only is not None:
-        unknown = set(only) - {p.name for p in built.programs}
+        unknown = set(only) - set(names)
         if unknown:
             raise PlanError(f"no program named {', '.join(sorted(unknown))} in this recipe's step; it has "
-                            f"{', '.join(p.name for p in built.programs)}")
-        built = dataclasses.replace(built, programs=tuple(p for p in built.programs if p.name in only))
-    return dataclasses.replace(plan, programs=tuple(_estimates(built, topology, resident, reuse or {}, progress)))
+                            f"{', '.join(names)}")
+        names = [n for n in names if n in only]
+    reuse = reuse or {}
+    if not depths:
+        built = dataclasses.replace(built, programs=tuple(p for p in built.programs if p.name in names))
+        return dataclasses.replace(plan, programs=tuple(_estimates(built, topology, resident, reuse, progress)))
+    at_depth = []
+    for d, shallow_built in zip(depths, shallow):
+        todo = tuple(p for p in shallow_built.programs if p.name in names and p.name not in reuse)
+        resident_d = {k: state_bytes_per_chip(t) for k, t in shallow_built.resident.items()}
+        at_depth.append({e.name: e for e in _estimates(dataclasses.replace(shallow_built, programs=todo), topology,
+                                                        resident_d, {}, progress, f" at {d} layers")})
+    full = {p.name: p for p in built.programs}
+    estimates = []
+    for name in names:
+        if name in reuse:
+            estimates.append(reuse[name])
+            continue
+        elsewhere = sum(resident[r] for r in full[name].resident_elsewhere)
+        estimates.append(est.extrapolate(at_depth[0][name], at_depth[1][name], depths, model.num_layers, elsewhere))
+    return dataclasses.replace(plan, programs=tuple(estimates))
+
+
+def _check_depths(depths: tuple[int, ...], layers: int) -> None:
+    if not depths:
+        return
+    if len(depths) != 2 or not 1 <= depths[0] < depths[1] < layers:
+        raise ValueError(f"plan.depths {list(depths)}: two layer counts d1 < d2 below the model's {layers} layers, "
+                         "e.g. [4, 8]; [] compiles the full depth")
+
+
+def _shallow(model, layers: int):
+    """`model` with its first `layers` layers (their sliding / full pattern kept)."""
+    return dataclasses.replace(model, num_layers=layers, layer_types=model.layer_types[:layers])
 
 
 def _estimates(built: StepPrograms, topology: Topology, resident: dict[str, int],
-               reuse: dict[str, est.ProgramEstimate], progress) -> list[est.ProgramEstimate]:
+               reuse: dict[str, est.ProgramEstimate], progress, where: str = "") -> list[est.ProgramEstimate]:
     state_bytes = est.tree_bytes(built.resident)
     expected = est.expected_shapes(built.resident, dict(built.layout.mesh.shape))
     estimates = []
@@ -145,7 +182,7 @@ def _estimates(built: StepPrograms, topology: Topology, resident: dict[str, int]
             estimates.append(reuse[program.name])
             continue
         if progress:
-            progress(f"compiling {program.name} for {topology.name}")
+            progress(f"compiling {program.name} for {topology.name}{where}")
         try:
             compiled, seconds = est.compile_program(program)
         except Exception as e:  # XLA's and Mosaic's errors: say which program, keep the first line

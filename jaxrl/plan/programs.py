@@ -237,8 +237,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
                             (policy, tokens, valid, temperature),
                             calls_per_step=1 + keep_ref, resident_elsewhere=others("policy"),
                             model_flops=logprob_flops,
-                            note=f"{'policy and reference' if keep_ref else 'policy'}, {rl.micro_batches} "
-                                 "micro-batches"))
+                            note=f"{'policy and reference' if keep_ref else 'policy'}, {_micro(rl.micro_batches)}"))
     if critic is not None:
         programs.append(Program("values", jax.jit(by_micro_batches(critic_values, rl.micro_batches)),
                                 (critic, tokens, valid), calls_per_step=1,
@@ -261,7 +260,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
         train_flops *= 4 / 3  # the forward pass again in the backward
     programs.append(Program("train_step", step, train_args, calls_per_step=rl.epochs * rl.minibatches,
                             resident_elsewhere=others(*used), model_flops=train_flops,
-                            note=f"{minibatch} rows in {rl.micro_batches} micro-batches"))
+                            note=f"{minibatch} rows in {_micro(rl.micro_batches)}"))
 
     # -- the held-out evaluation (not part of the step): its decode step when its cache is the larger. ReMax's
     # greedy baseline samples the step's prompts once each: smaller than the rollout.
@@ -272,6 +271,10 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
             _decode_step(policy, greedy, eval_rows, 1, prompt_len, new, mesh, others("policy")),
             name="eval_decode_step", calls_per_step=0, timed=False, note=f"{eval_rows} prompts, greedy"))
     return StepPrograms(model, layout, tuple(programs), resident, shapes)
+
+
+def _micro(count: int) -> str:
+    return f"{count} micro-batch{'es' if count > 1 else ''}"
 
 
 def _sampler(sampling: SamplingConfig, group_size: int) -> Callable:

@@ -23,7 +23,7 @@ def to_json(plan: Plan, suggestion: Suggestion | None = None) -> dict:
     out = {
         "topology": plan.topology.name, "chips": plan.topology.num_chips, "chip": chip.name,
         "mesh": plan.mesh, "model": plan.model, "parameters": plan.parameters, "shapes": plan.shapes,
-        "overrides": list(plan.overrides),
+        "overrides": list(plan.overrides), "depths": list(plan.depths),
         "hbm_bytes_per_chip": plan.hbm_bytes, "usable_hbm_bytes_per_chip": plan.usable_bytes,
         "resident_bytes_per_chip": plan.resident,
         "fits": plan.fits, "failing": [] if plan.fits else plan.failing(),
@@ -61,18 +61,20 @@ def table(plan: Plan, suggestion: Suggestion | None = None, searched: bool = Fal
     lines = [f"{plan.topology.name}: {plan.topology.num_chips} x {chip.name} ({_gib(plan.hbm_bytes)} GiB HBM each, "
              f"plan uses at most {_gib(plan.usable_bytes)}), mesh data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} "
              f"tensor={plan.mesh['tensor']}",
-             f"model: {plan.model}; {plan.parameters / 1e9:.2f}B parameters",
+             f"model: {plan.model}; {plan.parameters / 1e9:.2f}B parameters"
+             + (f"; compiled at {plan.depths[0]} and {plan.depths[1]} layers, every figure extrapolated linearly "
+                "to the full depth" if plan.depths else ""),
              "shapes: " + ", ".join(f"{k}={v}" for k, v in plan.shapes.items()),
              "",
              "resident per chip: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in plan.resident.items())
              + f" = {_gib(plan.resident_bytes)} GiB"]
     if plan.programs:
-        header = f"{'program':<13} {'calls':>5} {'peak GiB':>9} {'temp GiB':>9} {'TFLOP/chip':>10} " \
+        header = f"{'program':<16} {'calls':>5} {'peak GiB':>9} {'temp GiB':>9} {'TFLOP/chip':>10} " \
                  f"{'HBM GB':>8} {'ICI GB':>8} {'time/call':>10} {'bound':>11} {'compile':>8}  note"
         lines += ["", header, "-" * len(header)]
         for p in plan.programs:
             lines.append(
-                f"{p.name:<13} {p.calls_per_step:>5g} {_gib(p.peak_bytes):>9} {_gib(p.temp_bytes):>9} "
+                f"{p.name:<16} {p.calls_per_step:>5g} {_gib(p.peak_bytes):>9} {_gib(p.temp_bytes):>9} "
                 f"{p.flops / 1e12:>10.3f} {p.bytes_accessed / 1e9:>8.2f} {p.traffic_bytes / 1e9:>8.3f} "
                 f"{_seconds(p.time_s) if p.timed else '-':>10} {p.bound if p.timed else '-':>11} "
                 f"{p.compile_s:>7.1f}s  {p.note}")
