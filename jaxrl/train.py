@@ -201,7 +201,11 @@ def by_micro_batches(fn: Callable, micro_batches: int) -> Callable:
 
     def mapped(model, tokens, prompt_valid, *rest):
         split = _split_micro_batches({"tokens": tokens, "prompt_valid": prompt_valid}, micro_batches)
-        out = jax.lax.map(lambda mb: fn(model, mb["tokens"], mb["prompt_valid"], *rest), split)
+
+        def body(model, micro):  # the model carried, not closed over: NNX's lifted remat wants it traced here
+            return model, fn(model, micro["tokens"], micro["prompt_valid"], *rest)
+
+        _, out = jax.lax.scan(body, model, split)
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(tokens.shape[0], *x.shape[2:]), out)
 
     return mapped

@@ -46,7 +46,9 @@ def v5e_plan():
     capture.setattr(sys, "stdout", out)
     capture.setattr(sys, "stderr", err)
     try:
-        code = cli.main(["plan", DEFAULT, *TINY, *SPLASH, "mesh.fsdp=2", "mesh.tensor=2", "--topology", "v5e:2x2"])
+        # micro-batches and remat as the real recipes run them (the log-prob pass maps over micro-batches)
+        code = cli.main(["plan", DEFAULT, *TINY, *SPLASH, "mesh.fsdp=2", "mesh.tensor=2", "rl.micro_batches=2",
+                         "model.remat=full", "--topology", "v5e:2x2"])
     finally:
         capture.undo()
     return code, out.getvalue(), err.getvalue()

@@ -58,8 +58,8 @@ def _batch(policy, seed=0, critic=None):
 
 def test_logprobs_and_values_by_micro_batches_equal_the_whole_batch():
     """The rollout's log-prob and value passes run in rl.micro_batches groups of rows (the train step's
-    activation bound): the same numbers as the whole batch at once, row for row."""
-    policy = models.init(MODEL, 0)
+    activation bound): the same numbers as the whole batch at once, row for row (remat on, as in training)."""
+    policy = models.init(dataclasses.replace(MODEL, remat="full"), 0)
     critic = init_critic(policy)
     critic = critic.replace(params={**critic.params, "head": {"kernel": jnp.linspace(-1, 1, MODEL.hidden_size),
                                                                "bias": jnp.float32(0.5)}})
