@@ -26,8 +26,12 @@ install-dev: $(VENV)/.installed-dev
 train: install  ## run the default recipe on CPU (override: make train CONFIG=... ARGS="rl.steps=50")
 	JAX_PLATFORMS=cpu $(BIN)/jaxrl train $(CONFIG) $(ARGS)
 
+# The suite's time is mostly single-threaded Python and XLA compiles: one pytest-xdist worker per core (at most
+# 4), each test file whole in one worker (its module fixtures and jit caches are built once). TEST_WORKERS=0 runs
+# it in this process.
+TEST_WORKERS ?= auto
 test: install-dev  ## the fast suite (what CI runs)
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses=4 --dist loadfile
 
 test-slow: install-dev  ## the slow suite: full default runs for two seeds, the remaining presets and recipe
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow
