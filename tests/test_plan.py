@@ -61,14 +61,17 @@ def test_whole_step_compiles_for_v5e_and_reports_memory_and_flops(v5e_plan):
     assert plan["topology"] == "v5e:2x2" and plan["chips"] == 4 and plan["chip"] == "v5e"
     assert plan["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
     names = [p["name"] for p in plan["programs"]]
-    assert names == ["prefill", "decode_step", "logprobs", "train_step"]
+    # the evaluation's cache (8 prompts x 32 slots) is larger than the rollout's (4 x 16 + 8 x 16): planned too
+    assert names == ["prefill", "decode_step", "logprobs", "train_step", "eval_decode_step"]
+    assert plan["programs"][-1]["calls_per_step"] == 0 and "eval_decode_step" not in plan["phase_seconds"]
     for program in plan["programs"]:
         assert program["peak_bytes"] > 0 and program["argument_bytes"] > 0, program["name"]
         assert program["flops"] > 0, program["name"]
     assert plan["fits"] and plan["step_seconds"] > 0 and 0 < plan["mfu"] < 1
     # FSDP gathers the weights; the gradients are reduced over the batch axes
     assert plan["collectives_per_step"]["all-gather"]["count"] > 0
-    assert plan["resident_bytes_per_chip"]["optimizer"] == 2 * plan["resident_bytes_per_chip"]["policy"]
+    resident = plan["resident_bytes_per_chip"]  # Adam: two moments per parameter, and step counters
+    assert 0 <= resident["optimizer"] - 2 * resident["policy"] < 1024
     assert "FITS" in out and "step (roofline lower bound)" in out
 
 
