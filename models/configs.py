@@ -60,8 +60,9 @@ class ModelConfig:
     sliding_window: int | None = None  # keys visible to a sliding layer: the last `sliding_window` slots
     layer_types: tuple[LayerType, ...] = ()  # per layer; () means every layer is "full"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # activation / compute dtype
-    # Self-attention kernel for training and log-probs (kernels.attention.self_attention): auto = cuDNN on
-    # NVIDIA GPUs, Pallas splash attention on TPUs, XLA elsewhere. Decoding with a KV cache always uses XLA.
+    # Self-attention kernel for training, log-probs and the sampler's prefill (kernels.attention.self_attention):
+    # auto = cuDNN on NVIDIA GPUs, Pallas splash attention on TPUs (by the mesh's devices), XLA elsewhere.
+    # Decoding with a KV cache always uses XLA.
     attention_impl: Literal["auto", "xla", "cudnn", "splash"] = "auto"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # master weights
     # Rematerialisation of each block in training (models.transformer.REMAT_POLICIES): none keeps every
