@@ -326,22 +326,34 @@ def _ends_with_stop(recent: jax.Array, stop_sequences: tuple[tuple[int, ...], ..
     return jnp.any(jnp.stack(hits), axis=0)
 
 
-def gathered_weights(policy: Policy) -> Policy:
-    """`policy` with its parameters no longer split over the mesh's `fsdp` axis (other splits, e.g. heads over
-    `tensor`, kept), the layer matrices cast to the compute dtype first (their matmuls cast them anyway, so the
-    values are those the model computes with; the embedding table and norms keep their dtype). Inside a jitted
-    function, before a loop: the loop then reads local weights. Unchanged without a layout or an fsdp axis."""
-    layout = policy.layout
+def sampling_layout(layout: models.Layout | None) -> models.Layout | None:
+    """The layout of the weights the decode loop reads (`gathered_weights`): `layout` without its `fsdp` axis
+    (other splits kept), or None when there is nothing to gather (no layout, or an `fsdp` axis of size 1)."""
     if layout is None or layout.mesh.shape.get("fsdp", 1) == 1:
+        return None
+    return dataclasses.replace(layout, rules=tuple((name, tuple(a for a in axes if a != "fsdp"))
+                                                   for name, axes in layout.rules))
+
+
+def sampling_dtype(path, x, compute_dtype) -> jnp.dtype:
+    """The dtype a gathered parameter is held in: layer matrices in the compute dtype (their matmuls cast them to
+    it anyway); the embedding table, the output head and vectors (norms, biases) as they are."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if x.ndim >= 2 and "embed_tokens" not in names and "lm_head" not in names:
+        return jnp.dtype(compute_dtype)
+    return jnp.dtype(x.dtype)
+
+
+def gathered_weights(policy: Policy) -> Policy:
+    """`policy` with its parameters no longer split over the mesh's `fsdp` axis (`sampling_layout`), layer
+    matrices cast first (`sampling_dtype`): the values the model computes with. Inside a jitted function, before
+    a loop: the loop then reads local weights. Unchanged without a layout or an fsdp axis."""
+    gathered = sampling_layout(policy.layout)
+    if gathered is None:
         return policy
-    gathered = dataclasses.replace(layout, rules=tuple((name, tuple(a for a in axes if a != "fsdp"))
-                                                       for name, axes in layout.rules))
-    dtype = jnp.dtype(policy.config.dtype)
 
     def place(path, x):
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        if x.ndim >= 2 and "embed_tokens" not in names and "lm_head" not in names:
-            x = x.astype(dtype)
+        x = x.astype(sampling_dtype(path, x, policy.config.dtype))
         return jax.lax.with_sharding_constraint(x, gathered.param_sharding(path, x.shape))
 
     return policy.replace(params=jax.tree_util.tree_map_with_path(place, policy.params))

@@ -70,6 +70,10 @@ def test_whole_step_compiles_for_v5e_and_reports_memory_and_flops(v5e_plan):
     assert plan["fits"] and plan["step_seconds"] > 0 and 0 < plan["mfu"] < 1
     # FSDP gathers the weights; the gradients are reduced over the batch axes
     assert plan["collectives_per_step"]["all-gather"]["count"] > 0
+    # the sampler gathers them once, in its prefill: a decode step moves no weights
+    programs = {p["name"]: p for p in plan["programs"]}
+    assert programs["prefill"]["collectives"]["all-gather"]["count"] > 0
+    assert programs["decode_step"]["collectives"]["all-gather"]["count"] == 0
     resident = plan["resident_bytes_per_chip"]  # Adam: two moments per parameter, and step counters
     assert 0 <= resident["optimizer"] - 2 * resident["policy"] < 1024
     assert "FITS" in out and "step (roofline lower bound)" in out

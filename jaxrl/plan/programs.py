@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import models
 from jaxrl import losses
 from jaxrl.config import Config
-from jaxrl.sampling import SamplingConfig, _sample, decode_segments
+from jaxrl.sampling import (SamplingConfig, _sample, decode_segments, gathered_weights, sampling_dtype,
+                            sampling_layout)
 from jaxrl.sharding import BATCH_AXES, data_parallel_size, rules_from
 from jaxrl.train import (Critic, TrainState, by_micro_batches, completion_logprobs, critic_values, make_optimizer, make_rl_step,
                          opt_state_shardings, param_shardings)
@@ -226,8 +227,11 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
                                 calls_per_step=1, resident_elsewhere=others("policy"), timed=False,
                                 note=f"{sampled_prompts} prompts x {sampled_group} samples, {new} new tokens"))
     programs.append(_prefill(policy, rl.sampling, prompt_tokens, prompt_valid, others("policy")))
-    programs.append(_decode_step(policy, rl.sampling, sampled_prompts, sampled_group, prompt_len, new, mesh,
-                                 others("policy")))
+    decoding, beside = _decoding_policy(policy, rl.sampling), others("policy")
+    if decoding is not policy:  # the decode loop reads a gathered copy of the weights, the policy's stay beside
+        beside = everything
+    programs.append(_decode_step(decoding, rl.sampling, sampled_prompts, sampled_group, prompt_len, new, mesh,
+                                 beside))
 
     # -- log-probs (and values) of the rollout under the sampling-time models
     tokens = _rows(mesh, (sequences, total_len), jnp.int32)
@@ -268,7 +272,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     if eval_rows * total_len > sampled_prompts * prompt_len + sequences * new:
         greedy = dataclasses.replace(rl.sampling, temperature=0.0)
         programs.append(dataclasses.replace(
-            _decode_step(policy, greedy, eval_rows, 1, prompt_len, new, mesh, others("policy")),
+            _decode_step(decoding, greedy, eval_rows, 1, prompt_len, new, mesh, beside),
             name="eval_decode_step", calls_per_step=0, timed=False, note=f"{eval_rows} prompts, greedy"))
     return StepPrograms(model, layout, tuple(programs), resident, shapes)
 
@@ -304,20 +308,37 @@ def _critic_model(config: Config) -> ModelConfig:
     return models.load_config(path)
 
 
+def _decoding_policy(policy: models.Policy, sampling: SamplingConfig) -> models.Policy:
+    """The policy the decode loop reads: with `gather_weights`, the weights gathered over `fsdp` as
+    `jaxrl.sampling.gathered_weights` gives them (abstract), else the policy itself."""
+    gathered = sampling_layout(policy.layout) if sampling.gather_weights else None
+    if gathered is None:
+        return policy
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, sampling_dtype(path, x, policy.config.dtype),
+                                             sharding=gathered.param_sharding(path, x.shape)), policy.params)
+    return policy.replace(params=params)
+
+
 def _prefill(policy: models.Policy, sampling: SamplingConfig, prompt_tokens, prompt_valid,
              resident_elsewhere: tuple[str, ...]) -> Program:
-    """The sampler's prefill on its own: the distinct prompts into an empty cache of their length."""
+    """The sampler's prefill on its own: the weights gathered for the decode loop (`gather_weights`), then the
+    distinct prompts into an empty cache of their length."""
     rows, length = prompt_tokens.shape
     int8 = sampling.kv_cache_dtype == "int8"
 
     def prefill(policy, tokens, valid):
+        if sampling.gather_weights:
+            policy = gathered_weights(policy)
         cache = KVCache.zeros(policy.config, rows, length, int8)
         hidden, cache = models.apply(policy, tokens, models.positions_from_mask(valid), valid, cache, 0)
-        return models.logits_from_hidden(policy, hidden[:, -1:]), cache
+        return models.logits_from_hidden(policy, hidden[:, -1:]), cache, policy.params
 
     return Program("prefill", jax.jit(prefill), (policy, prompt_tokens, prompt_valid), calls_per_step=1,
                    resident_elsewhere=resident_elsewhere,
-                   model_flops=_forward_flops(policy.config, rows * length, length / 2))
+                   model_flops=_forward_flops(policy.config, rows * length, length / 2),
+                   note="gathers the weights once" if sampling_layout(policy.layout) and sampling.gather_weights
+                   else "")
 
 
 def _decode_step(policy: models.Policy, sampling: SamplingConfig, prompts: int, group: int, prompt_len: int,
