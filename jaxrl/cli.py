@@ -12,13 +12,20 @@ import sys
 from jaxrl.configlib import ConfigError, load_config
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load(path: str | None, overrides: list[str]):
+    """The run config of `path` with `overrides`, or None after printing the configuration error."""
     from jaxrl.config import Config  # heavy imports (jax) only once the arguments parse
 
     try:
-        config = load_config(Config, args.config, args.overrides)
+        return load_config(Config, path, overrides)
     except ConfigError as e:
         print(f"jaxrl: configuration error: {e}", file=sys.stderr)
+        return None
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = _load(args.config, args.overrides)
+    if config is None:
         return 2
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import Preempted, TrainingDiverged, run
@@ -54,18 +61,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from jaxrl.config import Config
-
     checkpoints = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     if len(checkpoints) != 1:
         print("jaxrl: eval needs exactly one checkpoint=PATH (a run, one of its checkpoints/<step>, a policy "
               "checkpoint or a Hugging Face directory)", file=sys.stderr)
         return 2
-    try:
-        config = load_config(Config, args.config, overrides)
-    except ConfigError as e:
-        print(f"jaxrl: configuration error: {e}", file=sys.stderr)
+    config = _load(args.config, overrides)
+    if config is None:
         return 2
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import evaluate_checkpoint
@@ -97,12 +100,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jaxrl.config import Config
-
-    try:
-        config = load_config(Config, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"jaxrl: configuration error: {e}", file=sys.stderr)
+    config = _load(args.config, args.overrides)
+    if config is None:
         return 2
     from jaxrl.plan import command
 

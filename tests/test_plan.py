@@ -142,6 +142,7 @@ def test_resident_state_too_large_is_refused_without_compiling():
     (["--topology", "v5e:3x3"], "v5e:3x3"),
     (["mesh.fsdp=8", "--topology", "v5e:2x2"], "mesh data=1 x fsdp=8 x tensor=1"),
     ([], "no topology"),
+    (["--topology", "gpu"], "no GPU attached"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = _plan_cli(capsys, DEFAULT, *argv)
