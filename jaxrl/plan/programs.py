@@ -38,8 +38,8 @@ from jaxrl.config import Config
 from jaxrl.sampling import (SamplingConfig, _sample, decode_segments, gathered_weights, sampling_dtype,
                             sampling_layout)
 from jaxrl.sharding import BATCH_AXES, data_parallel_size, rules_from
-from jaxrl.train import (Critic, TrainState, by_micro_batches, completion_logprobs, critic_values, make_optimizer, make_rl_step,
-                         opt_state_shardings, param_shardings)
+from jaxrl.train import (Critic, TrainState, by_micro_batches, completion_logprobs, critic_values, make_optimizer,
+                         make_rl_step, opt_state_shardings)
 from models.configs import ModelConfig
 from models.transformer import GroupKVCache, KVCache
 
