@@ -158,3 +158,19 @@ def test_libtpu_missing_names_the_install_command(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
     code, out, err = _plan_cli(capsys, DEFAULT, "--topology", "v5e:2x2")
     assert code == 2 and "libtpu" in err and "pip install" in err
+
+
+def test_every_recipe_names_the_model_it_plans_for():
+    """A recipe that starts from a checkpoint names the preset of its shape (`plan.model`), so `jaxrl plan`
+    runs where the checkpoint is not; the programs of one RL step build for its mesh (no compile)."""
+    import glob
+
+    from jaxrl.plan.programs import model_config
+
+    recipes = sorted(glob.glob("configs/*.yaml"))
+    assert len(recipes) >= 7
+    for path in recipes:
+        config = load_config(Config, path, [])
+        if config.pretrained.path is not None:
+            assert config.plan.model is not None, path
+            assert model_config(config).num_layers > 1, path
