@@ -166,7 +166,7 @@ def measure_phase(config, phase: str, steps: int = 3, chip: str | None = None, s
     elsewhere = sum(resident[name] for name in program.resident_elsewhere)
     predicted = est.estimate(program, compiled, compile_s, topology.chip, elsewhere,
                              est.tree_bytes(built.resident),
-                             est.expected_shapes(built.resident, dict(mesh.shape)))
+                             est.expected_shapes(built.resident, dict(mesh.shape)), chips=topology.num_chips)
     peak_after_compile, _ = _peak(devices)
 
     vocab = built.model.vocab_size

@@ -174,3 +174,13 @@ def test_every_recipe_names_the_model_it_plans_for():
         if config.pretrained.path is not None:
             assert config.plan.model is not None, path
             assert model_config(config).num_layers > 1, path
+
+
+def test_a_loop_body_counted_once_is_scaled_by_the_model_flops():
+    """XLA's cost analysis counts a scan's body once: a train step of 4 micro-batches reports about a quarter of
+    its matmul FLOPs; the estimate scales FLOPs and bytes back up (and leaves loop-free programs alone)."""
+    from jaxrl.plan.estimate import loop_correction
+
+    assert loop_correction(100.0, 400.0) == 4.0
+    assert loop_correction(100.0, 104.0) == 1.0 and loop_correction(100.0, 60.0) == 1.0
+    assert loop_correction(0.0, 50.0) == 1.0

@@ -52,6 +52,9 @@ class ProgramEstimate:
     compute_s: float
     memory_s: float
     comm_s: float
+    # XLA's cost analysis counts a loop's body once. Where the model's own matmul FLOPs per chip exceed the
+    # program's counted FLOPs (a micro-batch scan), FLOPs and bytes are scaled by that ratio.
+    loop_scale: float = 1.0
 
     @property
     def program_bytes(self) -> int:
@@ -105,8 +108,8 @@ def _config_state(name: str, value):
 
 
 def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resident_elsewhere_bytes: int,
-             state_bytes: int, expected_shapes: set[tuple[int, ...]]) -> ProgramEstimate:
-    """The figures of `program` compiled as `compiled` on chips of `chip`.
+             state_bytes: int, expected_shapes: set[tuple[int, ...]], chips: int = 1) -> ProgramEstimate:
+    """The figures of `program` compiled as `compiled` on `chips` chips of `chip`.
 
     `state_bytes`: the whole model state (all chips) that `UNEXPECTED_FRACTION` is a share of;
     `expected_shapes`: array shapes whose collectives are explained by the sharding rules (each parameter's
@@ -121,6 +124,8 @@ def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resid
     kernels = {name: count * repeats for name, count in hlo.pallas_kernels(text).items()}
     flops = float(cost.get("flops", 0.0)) * repeats
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * repeats
+    loop_scale = loop_correction(flops, program.model_flops * repeats / chips)
+    flops, bytes_accessed = flops * loop_scale, bytes_accessed * loop_scale
     traffic = sum(c["traffic_bytes"] for c in summary.values())
     return ProgramEstimate(
         name=program.name, calls_per_step=program.calls_per_step, repeats=repeats, timed=program.timed,
@@ -132,7 +137,16 @@ def estimate(program: Program, compiled, compile_s: float, chip: ChipSpec, resid
         unexpected=unexpected_collectives(found, state_bytes, expected_shapes),
         model_flops=program.model_flops * repeats,
         compute_s=flops / chip.peak_bf16_flops, memory_s=bytes_accessed / chip.hbm_bytes_per_s,
-        comm_s=traffic / chip.ici_bytes_per_s)
+        comm_s=traffic / chip.ici_bytes_per_s, loop_scale=loop_scale)
+
+
+def loop_correction(counted_flops: float, model_flops_per_chip: float) -> float:
+    """How many times more work a program does than XLA's cost analysis counts: the model's own matmul FLOPs
+    per chip over the counted FLOPs when they exceed them by over 5% (a loop body counted once), else 1. The
+    model's matmuls are a lower bound of the program's FLOPs, so the correction never overshoots them."""
+    if counted_flops <= 0 or model_flops_per_chip <= 1.05 * counted_flops:
+        return 1.0
+    return model_flops_per_chip / counted_flops
 
 
 def extrapolate(first: ProgramEstimate, second: ProgramEstimate, depths: tuple[int, int], layers: int,

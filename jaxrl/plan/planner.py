@@ -189,7 +189,8 @@ def _estimates(built: StepPrograms, topology: Topology, resident: dict[str, int]
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PlanError(f"{program.name} does not compile for {topology.name}: {first[:400]}") from e
         elsewhere = sum(resident[name] for name in program.resident_elsewhere)
-        estimates.append(est.estimate(program, compiled, seconds, topology.chip, elsewhere, state_bytes, expected))
+        estimates.append(est.estimate(program, compiled, seconds, topology.chip, elsewhere, state_bytes, expected,
+                                      chips=topology.num_chips))
     return estimates
 
 

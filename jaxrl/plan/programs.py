@@ -150,14 +150,15 @@ def _opt_state(optimizer, params, layout: models.Layout):
     return abstract(jax.eval_shape(optimizer.init, params), opt_state_shardings(layout, optimizer, params))
 
 
-def _forward_flops(model: ModelConfig, tokens: int, context: float) -> float:
+def _forward_flops(model: ModelConfig, tokens: int, context: float, unembedded: int | None = None) -> float:
     """Matmul FLOPs of a forward pass over `tokens` tokens, each attending to `context` keys on average:
-    `2 x (non-embedding parameters + unembedding) x tokens` plus the attention scores and values."""
+    `2 x non-embedding parameters x tokens`, the attention scores and values, and the output head for
+    `unembedded` of the tokens (default all; the embedding lookup is no matmul)."""
     d, layers = model.hidden_size, model.num_layers
     dense = models.num_parameters(model) - model.vocab_size * d * (1 if model.tie_embeddings else 2)
-    weights = dense + model.vocab_size * d  # the unembedding is a matmul; the embedding lookup is not
     attention = 4 * layers * model.num_heads * model.head_dim * context
-    return tokens * (2 * weights + attention)
+    head = 2 * model.vocab_size * d * (tokens if unembedded is None else unembedded)
+    return tokens * (2 * dense + attention) + head
 
 
 def step_programs(config: Config, layout: models.Layout, model: ModelConfig | None = None,
@@ -336,7 +337,7 @@ def _prefill(policy: models.Policy, sampling: SamplingConfig, prompt_tokens, pro
 
     return Program("prefill", jax.jit(prefill), (policy, prompt_tokens, prompt_valid), calls_per_step=1,
                    resident_elsewhere=resident_elsewhere,
-                   model_flops=_forward_flops(policy.config, rows * length, length / 2),
+                   model_flops=_forward_flops(policy.config, rows * length, length / 2, unembedded=rows),
                    note="gathers the weights once" if sampling_layout(policy.layout) and sampling.gather_weights
                    else "")
 

@@ -37,7 +37,7 @@ def to_json(plan: Plan, suggestion: Suggestion | None = None) -> dict:
             "bytes_accessed": p.bytes_accessed, "collectives": p.collectives, "pallas_kernels": p.kernels,
             "unexpected_collectives": list(p.unexpected), "model_flops": p.model_flops,
             "compute_s": p.compute_s, "memory_s": p.memory_s, "comm_s": p.comm_s, "time_s": p.time_s,
-            "bound": p.bound, "timed": p.timed} for p in plan.programs],
+            "bound": p.bound, "timed": p.timed, "loop_scale": p.loop_scale} for p in plan.programs],
         "phase_seconds": plan.phase_seconds() if plan.programs else {},
         "step_seconds": plan.step_seconds if plan.programs else None,
         "flops_per_step_per_chip": plan.flops_per_step if plan.programs else None,
