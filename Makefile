@@ -43,7 +43,7 @@ notebooks: install-dev  ## execute every notebook (small settings) in memory; fa
 
 docs: install-dev  ## API reference from the docstrings into docs/api; fails on any pdoc warning
 	rm -rf docs/api
-	@log=$$(JAX_PLATFORMS=cpu $(BIN)/python -m pdoc -o docs/api jaxrl models kernels 2>&1); status=$$?; \
+	@log=$$(JAX_PLATFORMS=cpu $(BIN)/python -m pdoc -o docs/api jaxrl jaxrl.models jaxrl.kernels 2>&1); status=$$?; \
 	if [ -n "$$log" ]; then echo "$$log"; fi; \
 	if [ $$status -ne 0 ] || [ -n "$$log" ]; then echo "make docs: pdoc failed or warned (above)"; exit 1; fi
 	@echo "API reference: docs/api/index.html"

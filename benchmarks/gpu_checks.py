@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention import resolve_implementation, self_attention
-from kernels.logprobs import reference_token_logprobs, token_logprobs
+from jaxrl.kernels.attention import resolve_implementation, self_attention
+from jaxrl.kernels.logprobs import reference_token_logprobs, token_logprobs
 
 BF16_TOLERANCE = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2
 

@@ -31,10 +31,10 @@ def write_checkpoint(directory: str) -> None:
     import ml_dtypes
     import numpy as np
 
-    import models
-    from models.hf import _param_paths, _shard, hf_name
-    from models.hf_config import from_hf
-    from models.safetensors_io import TensorSpec, write_file
+    from jaxrl import models
+    from jaxrl.models.hf import _param_paths, _shard, hf_name
+    from jaxrl.models.hf_config import from_hf
+    from jaxrl.models.safetensors_io import TensorSpec, write_file
 
     policy = models.abstract(from_hf(CONFIG))
 
@@ -59,8 +59,7 @@ def measure(directory: str, dtype: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import models
-
+    from jaxrl import models
     jnp.ones(8).block_until_ready()  # backend initialised before the baseline
     baseline = _rss_now()
     start = time.perf_counter()

@@ -40,7 +40,7 @@ def run_mode(mode: str, hidden: int, vocab: int, batch: int, seq: int, chunk_siz
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels.logprobs import reference_token_logprobs, token_logprobs
+    from jaxrl.kernels.logprobs import reference_token_logprobs, token_logprobs
 
     rng = np.random.default_rng(0)
     states = jnp.asarray(rng.standard_normal((batch, seq, hidden), np.float32))

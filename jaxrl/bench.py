@@ -34,8 +34,7 @@ NO_EOS = -1  # never sampled: every sequence runs to `new_tokens`
 
 
 def _model_config(model: Any):
-    import models
-
+    from jaxrl import models
     if isinstance(model, models.ModelConfig):
         return "custom", model
     if model not in models.PRESETS:
@@ -86,7 +85,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     """
     import jax
 
-    import models
+    from jaxrl import models
     from jaxrl.sampling import SamplingConfig
 
     for name, value in (("prompts", prompts), ("prompt_len", prompt_len), ("group", group),
@@ -175,7 +174,7 @@ def sample_workload(config, prompts: int, prompt_len: int, group: int, temperatu
     import jax.numpy as jnp
     import numpy as np
 
-    import models
+    from jaxrl import models
     from jaxrl.sampling import SamplingConfig, sample
 
     policy = models.init(config, seed)
@@ -205,8 +204,7 @@ def decode_bytes_per_step(config, prompts: int, group: int, prompt_len: int, new
     """
     import numpy as np
 
-    import models
-
+    from jaxrl import models
     sequences = prompts * group
     param_bytes = np.dtype(config.param_dtype).itemsize
     weights = models.num_parameters(config)
@@ -260,7 +258,7 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     import jax.numpy as jnp
     import numpy as np
 
-    import models
+    from jaxrl import models
     from jaxrl import losses
     from jaxrl.train import completion_logprobs, init_train_state, make_optimizer, make_rl_step
 
@@ -495,8 +493,7 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_sample(args: argparse.Namespace) -> int:
     """Handler of `jaxrl bench sample`: one JSON line, then a markdown table. Bad arguments -> exit 2."""
-    import models
-
+    from jaxrl import models
     if args.model not in models.PRESETS:
         print(f"jaxrl: bench error: unknown model {args.model!r}; choose from {sorted(models.PRESETS)}",
               file=sys.stderr)

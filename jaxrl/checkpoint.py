@@ -44,7 +44,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl.sharding import process_max
-from models.safe_read import read_json_file
+from jaxrl.models.safe_read import read_json_file
 
 log = logging.getLogger(__name__)
 

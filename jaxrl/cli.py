@@ -30,7 +30,7 @@ def _train(args: argparse.Namespace) -> int:
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import Preempted, TrainingDiverged, run
     from jaxrl.tokenizer import ChatTemplateError, TokenizerError
-    from models.hf import CheckpointError
+    from jaxrl.models.hf import CheckpointError
 
     try:
         summary = run(config, config_source=args.config or "")
@@ -72,7 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import evaluate_checkpoint
-    from models.hf import CheckpointError
+    from jaxrl.models.hf import CheckpointError
 
     try:
         result = evaluate_checkpoint(config, checkpoints[0])
@@ -85,8 +85,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from jaxrl.convert import convert, parse_size  # heavy imports (jax, orbax) only once the arguments parse
-    from models.hf import CheckpointError
-    from models.hf_config import ConfigError as HFConfigError
+    from jaxrl.models.hf import CheckpointError
+    from jaxrl.models.hf_config import ConfigError as HFConfigError
 
     try:
         max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)

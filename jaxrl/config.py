@@ -14,7 +14,7 @@ from jaxrl.data.arithmetic import ArithmeticTaskConfig
 from jaxrl.data.prompts import PromptFields
 from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
-from models.configs import ModelConfig
+from jaxrl.models.configs import ModelConfig
 
 
 def _field(default, **constraints):

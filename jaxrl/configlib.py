@@ -229,7 +229,7 @@ def load_yaml(path: str | os.PathLike) -> Any:
 def _read_yaml(path: str | os.PathLike, build=None):
     """Parse a YAML file into a raw section tree that remembers each key's line (or ``build(node, loader,
     name, text)`` of its composed, size-checked document)."""
-    from models.safe_read import read_regular  # lazy: `models` imports jax
+    from jaxrl.models.safe_read import read_regular  # lazy: `models` imports jax
 
     name = str(path)
     try:

@@ -37,13 +37,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import models
+from jaxrl import models
 from jaxrl import configlib
 from jaxrl.checkpoint import CheckpointDamaged, verify_saved_arrays
-from models.configs import ModelConfig
-from models.hf import CheckpointError, copy_non_weight_files, load_config
-from models.safe_read import read_json_file
-from models.transformer import Policy
+from jaxrl.models.configs import ModelConfig
+from jaxrl.models.hf import CheckpointError, copy_non_weight_files, load_config
+from jaxrl.models.safe_read import read_json_file
+from jaxrl.models.transformer import Policy
 
 __all__ = ["POLICY_FORMAT", "RUN_MODEL_FILE", "ConvertResult", "Source", "convert", "describe_source", "load_policy",
            "parse_size", "save_policy"]

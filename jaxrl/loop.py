@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-import models
+from jaxrl import models
 from jaxrl import configlib, dynamic_sampling, evaluation, losses, rewards
 from jaxrl.checkpoint import Checkpointer, NonFiniteState
 from jaxrl.config import Config, OptimConfig
@@ -45,7 +45,7 @@ from jaxrl.tokenizer import (BaseTokenizer, ChatTemplateError, TokenizerError, e
                              left_pad, load_tokenizer, round_up, train_tokenizer)
 from jaxrl.train import (TrainState, by_micro_batches, completion_logprobs, copy_arrays, critic_values, init_critic, init_train_state,
                          make_optimizer, make_rl_step, make_sft_step)
-from models.hf import CheckpointError
+from jaxrl.models.hf import CheckpointError
 
 log = logging.getLogger("jaxrl")
 

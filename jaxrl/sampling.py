@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from jaxrl import models
 from jaxrl.sharding import addressable_rows
-from models import GroupKVCache, KVCache, Policy
+from jaxrl.models import GroupKVCache, KVCache, Policy
 
 FINISH_EOS, FINISH_LENGTH = 0, 1
 MIN_SEGMENT_STEPS = 16

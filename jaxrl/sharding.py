@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.partitioning import DEFAULT_RULES, Layout, Rules, check_rules
+from jaxrl.models.partitioning import DEFAULT_RULES, Layout, Rules, check_rules
 
 log = logging.getLogger("jaxrl")
 

@@ -53,7 +53,7 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers
 
-from models.safe_read import MAX_JSON_BYTES, loads_json, read_regular
+from jaxrl.models.safe_read import MAX_JSON_BYTES, loads_json, read_regular
 
 __all__ = [
     "BaseTokenizer", "ChatTemplateError", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",

@@ -20,11 +20,11 @@ import numpy as np
 import optax
 from flax import struct
 
-import models
+from jaxrl import models
 from jaxrl import losses
 from jaxrl.losses import Controls, LossInputs, Term
-from kernels import token_logprobs
-from models import Policy
+from jaxrl.kernels import token_logprobs
+from jaxrl.models import Policy
 
 Batch = dict[str, jax.Array]
 StepFn = Callable[["TrainState", Batch], tuple["TrainState", dict[str, jax.Array]]]

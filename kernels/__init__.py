@@ -1,8 +1,8 @@
 """Memory- and speed-critical ops: attention and token log-probabilities."""
 
-from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention,
+from jaxrl.kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention,
                                sliding_window_mask)
-from kernels.logprobs import reference_token_logprobs, token_logprobs
+from jaxrl.kernels.logprobs import reference_token_logprobs, token_logprobs
 
 __all__ = ["KV", "attention", "causal_padding_mask", "quantize_int8", "reference_token_logprobs",
            "shared_prefix_attention", "sliding_window_mask", "token_logprobs"]

@@ -5,10 +5,10 @@
     models.save_pretrained(policy, "out/", base="path/to/Qwen2.5-Math-1.5B")
 """
 
-from models.configs import PRESETS, ModelConfig, RopeScaling, num_parameters
-from models.hf import CheckpointError, from_pretrained, load_config, save_pretrained
-from models.partitioning import DEFAULT_RULES, Layout
-from models.transformer import (
+from jaxrl.models.configs import PRESETS, ModelConfig, RopeScaling, num_parameters
+from jaxrl.models.hf import CheckpointError, from_pretrained, load_config, save_pretrained
+from jaxrl.models.partitioning import DEFAULT_RULES, Layout
+from jaxrl.models.transformer import (
     GroupKVCache, KVCache, Policy, Transformer, abstract, apply, forward, init, logits_from_hidden,
     positions_from_mask, replace_config, shard, softcap, unembedding,
 )

@@ -26,12 +26,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from tqdm.auto import tqdm
 
-from models import hf_config
-from models.configs import ModelConfig
-from models.safe_read import open_regular, read_json_file
-from models.safetensors_io import (SafetensorsError, TensorInfo, TensorSpec, aligned_empty, read_header, read_tensor,
+from jaxrl.models import hf_config
+from jaxrl.models.configs import ModelConfig
+from jaxrl.models.safe_read import open_regular, read_json_file
+from jaxrl.models.safetensors_io import (SafetensorsError, TensorInfo, TensorSpec, aligned_empty, read_header, read_tensor,
                                    write_file)
-from models.transformer import Policy, abstract
+from jaxrl.models.transformer import Policy, abstract
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from models.configs import Family, ModelConfig, RopeScaling
+from jaxrl.models.configs import Family, ModelConfig, RopeScaling
 
 ARCHITECTURES: dict[str, tuple[Family, str]] = {  # HF model_type -> (family, architecture class)
     "llama": ("llama", "LlamaForCausalLM"),

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from models.safe_read import loads_json, open_regular
+from jaxrl.models.safe_read import loads_json, open_regular
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),

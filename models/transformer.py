@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, resolve_implementation,
+from jaxrl.kernels.attention import (KV, attention, causal_padding_mask, quantize_int8, resolve_implementation,
                                self_attention, shared_prefix_attention, sliding_window_mask, target_platform)
-from models.configs import ModelConfig
-from models.partitioning import Layout
+from jaxrl.models.configs import ModelConfig
+from jaxrl.models.partitioning import Layout
 
 _INIT = nnx.initializers.normal(stddev=0.02)
 

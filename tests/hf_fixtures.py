@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from models.safetensors_io import read_header, read_tensor
+from jaxrl.models.safetensors_io import read_header, read_tensor
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "data", "hf")
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention
+from jaxrl.kernels.attention import KV, attention, causal_padding_mask, quantize_int8, shared_prefix_attention
 
 PROMPTS, GROUP, HEADS, KV_HEADS, HEAD_DIM, PREFIX, OWN = 3, 4, 8, 2, 16, 7, 5
 
@@ -102,7 +102,7 @@ SELF_CASES = [dict(), dict(window=7), dict(softcap=3.0), dict(window=5, softcap=
 @pytest.mark.parametrize("case", SELF_CASES)
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-3)])
 def test_splash_self_attention_in_interpret_mode_matches_xla(case, dtype, tolerance):
-    from kernels.attention import self_attention
+    from jaxrl.kernels.attention import self_attention
 
     q, k, v, valid = _self_attention_case(dtype)
     splash = self_attention(q, k, v, valid, implementation="splash", interpret=True, **case)
@@ -122,7 +122,7 @@ def test_splash_self_attention_in_interpret_mode_matches_xla(case, dtype, tolera
 
 
 def test_splash_gradients_match_xla():
-    from kernels.attention import self_attention
+    from jaxrl.kernels.attention import self_attention
 
     q, k, v, valid = _self_attention_case(jnp.float32, seq=24)
     weights = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape), jnp.float32) * valid[..., None, None]
@@ -140,7 +140,7 @@ def test_splash_gradients_match_xla():
 def test_cudnn_path_arguments_match_xla(window):
     """The cuDNN path is `jax.nn.dot_product_attention`: its XLA implementation, with the same arguments,
     checks the masks, GQA, scale and window the wrapper passes (the kernel itself needs an NVIDIA GPU)."""
-    from kernels.attention import _cudnn_self_attention, self_attention
+    from jaxrl.kernels.attention import _cudnn_self_attention, self_attention
 
     q, k, v, valid = _self_attention_case(jnp.float32)
     got = _cudnn_self_attention(q, k, v, valid, 0.3, window, "xla")
@@ -150,7 +150,7 @@ def test_cudnn_path_arguments_match_xla(window):
 
 
 def test_resolve_implementation():
-    from kernels.attention import resolve_implementation
+    from jaxrl.kernels.attention import resolve_implementation
 
     assert resolve_implementation("auto", "cpu") == "xla"
     assert resolve_implementation("auto", "tpu") == "splash"
@@ -162,7 +162,7 @@ def test_resolve_implementation():
 def test_cudnn_falls_back_to_xla_where_cudnn_cannot_run():
     """float32 inputs (the CPU presets) or a head size cuDNN rejects take the XLA path, so `auto` on a GPU never
     hands cuDNN what it cannot compute; bf16 inputs with head_dim 64 would go to cuDNN."""
-    from kernels.attention import cudnn_supports, self_attention
+    from jaxrl.kernels.attention import cudnn_supports, self_attention
 
     q, k, v, valid = _self_attention_case(jnp.float32)
     got = self_attention(q, k, v, valid, implementation="cudnn")  # would raise on CPU if it reached cuDNN
@@ -176,11 +176,11 @@ def test_cudnn_falls_back_to_xla_where_cudnn_cannot_run():
 SHARDED_SCRIPT = """
     import json
     import jax, jax.numpy as jnp, numpy as np
-    import models
+    from jaxrl import models
     from jaxrl import sampling
     from jaxrl.sharding import make_mesh, shard_batch
-    from kernels.attention import self_attention
-    from models.partitioning import Layout
+    from jaxrl.kernels.attention import self_attention
+    from jaxrl.models.partitioning import Layout
 
     layout = Layout(make_mesh(2, 2, 2))  # 8 CPU devices: batch over data x fsdp, heads over tensor
     rng = np.random.default_rng(0)
@@ -270,8 +270,8 @@ def test_sharded_splash_sampling_gives_the_xla_tokens(sharded_results):
 def test_prefill_goes_through_the_kernel_unless_xla():
     """A segment filling a `KVCache` from a static slot 0 (the sampler's prompt pass) runs the self-attention
     kernel (a Pallas call for splash); `xla`, and a decode step at a traced slot, keep the dense attention."""
-    import models
-    from models import KVCache
+    from jaxrl import models
+    from jaxrl.models import KVCache
 
     config = models.ModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                                 head_dim=8, intermediate_size=64, attention_impl="splash")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import models
+from jaxrl import models
 from jaxrl import bench, cli
 
 TINY = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,

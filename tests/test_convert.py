@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jaxrl import models
 from hf_fixtures import FIXTURES, tensors_of
 from jaxrl import cli, configlib
 from jaxrl.checkpoint import Checkpointer
@@ -19,7 +19,7 @@ from jaxrl.convert import (
     HF_FILES_DIR, MODEL_FILE, POLICY_FORMAT, RUN_MODEL_FILE, convert, describe_source, load_policy, parse_size,
     save_policy,
 )
-from models import CheckpointError
+from jaxrl.models import CheckpointError
 
 HF5 = os.path.join(FIXTURES, "transformers5")
 NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "llama3_bf16"]

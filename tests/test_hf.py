@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jaxrl import models
 from hf_fixtures import FIXTURES, tensors_of
 from jaxrl.sampling import SamplingConfig, sample
-from models import CheckpointError, hf_config
-from models.configs import RopeScaling
-from models.safetensors_io import SafetensorsError, TensorSpec, read_header, read_tensor, write_file
+from jaxrl.models import CheckpointError, hf_config
+from jaxrl.models.configs import RopeScaling
+from jaxrl.models.safetensors_io import SafetensorsError, TensorSpec, read_header, read_tensor, write_file
 
 NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "llama3_bf16"]
 VERSIONS = ["transformers4", "transformers5"]
@@ -297,7 +297,7 @@ def test_loads_onto_a_mesh_with_shardings():
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        import models
+        from jaxrl import models
         mesh = Mesh(np.asarray(jax.devices()).reshape(8), ("fsdp",))
         source = {fixture("transformers5", "qwen2")!r}
         plain = models.from_pretrained(source, progress=False)
@@ -444,7 +444,7 @@ def test_json_depth_matches_the_parsed_structure():
     import json
     import random
 
-    from models.safe_read import json_depth
+    from jaxrl.models.safe_read import json_depth
 
     def depth(value):
         if isinstance(value, (list, dict)):
@@ -490,7 +490,7 @@ def test_json_depth_is_linear_on_unterminated_strings():
     '\\"' took 34 s. Unterminated strings now run to the end of the text."""
     import time
 
-    from models.safe_read import json_depth
+    from jaxrl.models.safe_read import json_depth
 
     for text in ('"' + '\\"' * 500_000, '["\\' * 300_000, '"a' * 500_000 + "\\"):
         start = time.perf_counter()

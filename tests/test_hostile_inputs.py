@@ -26,9 +26,9 @@ from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.tokenizer import TokenizerError, load_tokenizer
-from models import hf_config
-from models.hf import CheckpointError, from_pretrained
-from models.safetensors_io import SafetensorsError, read_header
+from jaxrl.models import hf_config
+from jaxrl.models.hf import CheckpointError, from_pretrained
+from jaxrl.models.safetensors_io import SafetensorsError, read_header
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "data", "hf", "transformers4")
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.logprobs import reference_token_logprobs, token_logprobs
+from jaxrl.kernels.logprobs import reference_token_logprobs, token_logprobs
 
 BATCH, SEQ, DIM, VOCAB = 3, 11, 16, 50
 
@@ -88,7 +88,7 @@ def test_the_batch_stays_split_over_the_data_axis():
     _run_with_8_devices("""
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        from kernels.logprobs import token_logprobs
+        from jaxrl.kernels.logprobs import token_logprobs
 
         mesh = Mesh(np.array(jax.devices()), ("data",))
         rng = np.random.default_rng(0)

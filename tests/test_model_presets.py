@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from models.configs import PRESETS, num_parameters
-from models.hf_config import from_hf
+from jaxrl.models.configs import PRESETS, num_parameters
+from jaxrl.models.hf_config import from_hf
 
 _QWEN = {"attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "model_type": "qwen2",
          "architectures": ["Qwen2ForCausalLM"], "rms_norm_eps": 1e-06, "use_sliding_window": False,

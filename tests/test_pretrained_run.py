@@ -12,8 +12,8 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 
-import models
-from models.hf import CheckpointError
+from jaxrl import models
+from jaxrl.models.hf import CheckpointError
 from jaxrl import cli, configlib, loop
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config

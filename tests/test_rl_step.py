@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from jaxrl import models
 from jaxrl import loop, losses
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
@@ -251,7 +251,7 @@ def test_a_new_variant_defined_here_trains_through_the_normal_trainer(tmp_path, 
 
 DATA_PARALLEL_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np, optax
-import models
+from jaxrl import models
 from jaxrl import losses
 from jaxrl.losses import Controls, LossConfig
 from jaxrl.sharding import make_mesh, replicate, shard_batch

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jaxrl import models
 from jaxrl.sampling import (FINISH_EOS, FINISH_LENGTH, SamplingConfig, _sample, compiled_programs, filter_logits,
                             sample, sample_token)
 

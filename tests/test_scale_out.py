@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from jaxrl.sharding import mesh_shape, rules_from, wants_distributed
-from models.partitioning import Layout
+from jaxrl.models.partitioning import Layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -30,7 +30,7 @@ MESHES = [(8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)]
 
 TRAIN_STEP = """
     import jax, jax.numpy as jnp, numpy as np, optax
-    import models
+    from jaxrl import models
     from jaxrl import losses
     from jaxrl.losses import Controls, LossConfig
     from jaxrl.sharding import make_mesh, shard_batch
@@ -120,7 +120,7 @@ def test_train_step_on_every_mesh_equals_the_single_device_step():
 
 SAMPLING = """
     import jax, numpy as np
-    import models
+    from jaxrl import models
     from jaxrl.sampling import SamplingConfig, sample
     from jaxrl.sharding import make_mesh, shard_batch
     from jaxrl.train import completion_logprobs
@@ -160,7 +160,7 @@ def test_sampler_gives_the_same_tokens_on_every_mesh():
 
 CHECKPOINT = """
     import jax, numpy as np, optax
-    import models
+    from jaxrl import models
     from jaxrl.checkpoint import Checkpointer
     from jaxrl.sharding import make_mesh
     from jaxrl.train import init_train_state, make_optimizer
@@ -238,7 +238,7 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_the_arrays(tmp_path):
 
 ERRORS = """
     import jax, numpy as np
-    import models
+    from jaxrl import models
     from jaxrl.sharding import make_mesh, shard_batch, from_process_local
 
     def expect(fn, text):

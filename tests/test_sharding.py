@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-import models
+from jaxrl import models
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.sharding import (data_shard, from_process_local, gather, make_mesh, process_local, process_max,
                             process_rows, replicate, shard_batch)
-from models.configs import ModelConfig
-from models.partitioning import Layout
-from models.transformer import CACHE_AXES
+from jaxrl.models.configs import ModelConfig
+from jaxrl.models.partitioning import Layout
+from jaxrl.models.transformer import CACHE_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,9 +89,9 @@ def test_a_decode_step_with_fewer_kv_heads_than_tensor_devices_gathers_nothing()
     script = """
         import re, jax, jax.numpy as jnp, numpy as np, models
         from jaxrl.sharding import make_mesh
-        from models.configs import ModelConfig
-        from models.partitioning import Layout
-        from models.transformer import KVCache
+        from jaxrl.models.configs import ModelConfig
+        from jaxrl.models.partitioning import Layout
+        from jaxrl.models.transformer import KVCache
         c = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                         intermediate_size=64)
         policy = models.init(c, 0)

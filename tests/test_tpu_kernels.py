@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 import models  # noqa: E402
 from jaxrl import sampling, train  # noqa: E402
 from jaxrl.sharding import BATCH_AXES, make_mesh  # noqa: E402
-from models.partitioning import Layout  # noqa: E402
-from models.transformer import attention_implementation  # noqa: E402
+from jaxrl.models.partitioning import Layout  # noqa: E402
+from jaxrl.models.transformer import attention_implementation  # noqa: E402
 
 _MOSAIC = re.compile(r'custom_call_target="tpu_custom_call"')
 _BODY = re.compile(r'"body":"([A-Za-z0-9+/=]+)"')

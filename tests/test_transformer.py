@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models import KVCache
+from jaxrl import models
+from jaxrl.models import KVCache
 
 CONFIG = models.ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                             head_dim=8, intermediate_size=64)

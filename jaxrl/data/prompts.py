@@ -36,7 +36,7 @@ import grain
 
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.rewards.math import extract_answer
-from models.safe_read import check_regular, json_depth, open_regular
+from jaxrl.models.safe_read import check_regular, json_depth, open_regular
 
 __all__ = ["DataError", "PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
 

@@ -201,8 +201,7 @@ def _describe(model) -> str:
 
 
 def _parameters(model) -> int:
-    import models
-
+    from jaxrl import models
     return models.num_parameters(model)
 
 

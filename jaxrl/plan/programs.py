@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-import models
+from jaxrl import models
 from jaxrl import losses
 from jaxrl.config import Config
 from jaxrl.sampling import (SamplingConfig, _sample, decode_segments, gathered_weights, sampling_dtype,
@@ -40,8 +40,8 @@ from jaxrl.sampling import (SamplingConfig, _sample, decode_segments, gathered_w
 from jaxrl.sharding import BATCH_AXES, data_parallel_size, rules_from
 from jaxrl.train import (Critic, TrainState, by_micro_batches, completion_logprobs, critic_values, make_optimizer,
                          make_rl_step, opt_state_shardings)
-from models.configs import ModelConfig
-from models.transformer import GroupKVCache, KVCache
+from jaxrl.models.configs import ModelConfig
+from jaxrl.models.transformer import GroupKVCache, KVCache
 
 PAD_ID = 0
 EOS_ID = 1  # any id inside the vocabulary: programs do not depend on its value
