@@ -18,17 +18,21 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-Estimator = Literal["grpo", "rloo", "reinforce_pp", "remax", "opo", "gae", "gtpo", "grpo_s"]
+from jaxrl.registry import register
+from jaxrl import registry
+
 StdScope = Literal["group", "batch", "none"]
-NEEDS_CRITIC = frozenset({"gae"})
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
     """Which estimator `compute` runs, and its knobs (those of other estimators are ignored)."""
 
-    estimator: Estimator = "grpo"
+    # A registered estimator (jaxrl.registry kind `advantage`: grpo, rloo, reinforce_pp, remax, opo, gae, gtpo,
+    # grpo_s, and those of modules under `imports:`) or `module:function`.
+    estimator: str = "grpo"
     std_scope: StdScope = "group"  # grpo / per-component: divide by the group's std, the batch's, or not
     group_baseline: bool = True  # reinforce_pp: subtract the group mean before batch whitening
     per_component: bool = False  # grpo only: normalise each reward component, then sum
@@ -44,11 +48,6 @@ class AdvantageConfig:
     entropy_bonus_kappa: float = dataclasses.field(default=2.0, metadata={"gt": 0})
     entropy_weight: float = dataclasses.field(default=1.0, metadata={"ge": 0})  # gtpo alpha2 / grpo_s beta2
     eps: float = dataclasses.field(default=1e-6, metadata={"gt": 0})
-
-    def validate(self) -> None:
-        if self.per_component and self.estimator != "grpo":
-            raise ValueError(f"per_component normalisation is only defined for estimator 'grpo', "
-                             f"not {self.estimator!r}")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -381,49 +380,114 @@ def broadcast_to_tokens(advantages: jax.Array, mask: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- dispatcher
 
 
+@struct.dataclass
+class AdvantageInputs:
+    """What every advantage estimator receives (built-in or a user's, see `jaxrl.registry` kind `advantage`).
+
+    `rewards [B]` outcome rewards (groups of `group_size` contiguous rows), `mask [B, N]` completion mask
+    (float32), and, each None unless the run computes it: `entropy [B, N]` policy entropy, `values [B, N]` critic
+    values, `greedy_rewards [B]` the reward of each prompt's greedy completion, `components [B, K]` the reward
+    components with `component_weights` (K floats), `token_penalty [B, N]` a per-token penalty (the KL folded
+    into the reward, times the mask) that the estimator must apply itself.
+    """
+
+    rewards: jax.Array
+    mask: jax.Array
+    group_size: int = struct.field(pytree_node=False)
+    entropy: jax.Array | None = None
+    values: jax.Array | None = None
+    greedy_rewards: jax.Array | None = None
+    components: jax.Array | None = None
+    component_weights: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
+    token_penalty: jax.Array | None = None
+
+
 def _require(value, estimator: str, what: str):
     if value is None:
         raise ValueError(f"advantage estimator {estimator!r} needs {what}")
     return value
 
 
-def _sequence_level(config: AdvantageConfig, rewards, mask, group_size, *, entropy, greedy_rewards,
-                    components, component_weights, penalty) -> jax.Array:
-    """The advantage of every estimator but gae, `[B]` or `[B, N]`, given the token penalty `[B, N]`
-    (or None): reinforce_pp subtracts the penalty still to come from each token's return; grpo and
-    per_component subtract the penalty's sum, minus its group mean, from the normalised advantage (dividing
-    it by the rewards' std would cancel kl_coef: in a group of one outcome that std is the penalty's own);
-    rloo, remax and opo get rewards minus the penalty's sum. gtpo and grpo_s take no penalty."""
-    name = config.estimator
-    if penalty is not None and name in ("gtpo", "grpo_s"):
-        raise ValueError(f"advantage estimator {name!r} splits each group by binary outcome rewards: it takes "
-                         "no token penalty (kl_in_reward)")
-    if config.per_component or name == "grpo":
-        if config.per_component:
-            components = jnp.asarray(_require(components, name, "components (per_component)"), jnp.float32)
-            normalized = normalize_components(components, group_size, weights=component_weights,
-                                              std_scope=config.std_scope, eps=config.eps)
-        else:
-            normalized = grpo(rewards, group_size, std_scope=config.std_scope, eps=config.eps)
-        return normalized if penalty is None else normalized - _group_centered(penalty.sum(axis=1), group_size)
-    if name == "reinforce_pp":
-        return reinforce_pp(rewards, group_size=group_size if config.group_baseline else None, mask=mask,
-                            token_penalty=penalty, eps=config.eps)
-    if penalty is not None:
-        rewards = rewards - penalty.sum(axis=1)
-    if name == "rloo":
-        return rloo(rewards, group_size)
-    if name == "remax":
-        return remax(rewards, _require(greedy_rewards, name, "greedy_rewards"))
-    if name == "opo":
-        return opo(rewards, mask.sum(axis=1), group_size, eps=config.eps)
-    if name == "gtpo":
-        return gtpo(rewards, _require(entropy, name, "entropy"), mask, group_size,
-                    alpha2=config.entropy_weight, eps=config.eps)
-    if name == "grpo_s":
-        return grpo_s(rewards, _require(entropy, name, "entropy"), mask, group_size,
-                      beta2=config.entropy_weight, eps=config.eps)
-    raise ValueError(f"unknown advantage estimator {name!r}")
+def _penalised(rewards: jax.Array, penalty: jax.Array | None) -> jax.Array:
+    """Each sequence's reward minus its masked penalty sum (rloo, remax, opo)."""
+    return rewards if penalty is None else rewards - penalty.sum(axis=1)
+
+
+@register("advantage", "grpo", per_component=True)
+def _grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    """GRPO, or per-component normalisation (`per_component`); a token penalty's sum, minus its group mean,
+    is subtracted from the normalised advantage (dividing it by the rewards' std would cancel kl_coef: in a
+    group of one outcome that std is the penalty's own)."""
+    g = inputs.group_size
+    if config.per_component:
+        components = jnp.asarray(_require(inputs.components, config.estimator, "components (per_component)"),
+                                 jnp.float32)
+        normalized = normalize_components(components, g, weights=inputs.component_weights,
+                                          std_scope=config.std_scope, eps=config.eps)
+    else:
+        normalized = grpo(inputs.rewards, g, std_scope=config.std_scope, eps=config.eps)
+    penalty = inputs.token_penalty
+    return normalized if penalty is None else normalized - _group_centered(penalty.sum(axis=1), g)
+
+
+@register("advantage", "reinforce_pp")
+def _reinforce_pp_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    """REINFORCE++: each token's return loses the penalty still to come."""
+    return reinforce_pp(inputs.rewards, group_size=inputs.group_size if config.group_baseline else None,
+                        mask=inputs.mask, token_penalty=inputs.token_penalty, eps=config.eps)
+
+
+@register("advantage", "rloo")
+def _rloo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    return rloo(_penalised(inputs.rewards, inputs.token_penalty), inputs.group_size)
+
+
+@register("advantage", "remax", needs=("greedy_rollouts",))
+def _remax_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    greedy = _require(inputs.greedy_rewards, config.estimator, "greedy_rewards")
+    return remax(_penalised(inputs.rewards, inputs.token_penalty), greedy)
+
+
+@register("advantage", "opo")
+def _opo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    return opo(_penalised(inputs.rewards, inputs.token_penalty), inputs.mask.sum(axis=1), inputs.group_size,
+               eps=config.eps)
+
+
+def _no_penalty(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    if inputs.token_penalty is not None:
+        raise ValueError(f"advantage estimator {config.estimator!r} splits each group by binary outcome rewards: "
+                         "it takes no token penalty (kl_in_reward)")
+    return _require(inputs.entropy, config.estimator, "entropy")
+
+
+@register("advantage", "gtpo", needs=("entropy", "binary_rewards"))
+def _gtpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    return gtpo(inputs.rewards, _no_penalty(inputs, config), inputs.mask, inputs.group_size,
+                alpha2=config.entropy_weight, eps=config.eps)
+
+
+@register("advantage", "grpo_s", needs=("entropy", "binary_rewards"))
+def _grpo_s_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    return grpo_s(inputs.rewards, _no_penalty(inputs, config), inputs.mask, inputs.group_size,
+                  beta2=config.entropy_weight, eps=config.eps)
+
+
+@register("advantage", "gae", needs=("critic",))
+def _gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
+    """GAE on outcome token rewards (minus the token penalty), optionally whitened over the batch."""
+    values = _require(inputs.values, config.estimator, "values from a critic (set rl.critic.model)")
+    token_rewards = outcome_token_rewards(inputs.rewards, inputs.mask)
+    if inputs.token_penalty is not None:
+        token_rewards = token_rewards - inputs.token_penalty
+    lam_actor = config.lam_actor
+    if config.length_adaptive_alpha is not None:
+        lam_actor = length_adaptive_lambda(inputs.mask.sum(axis=1), config.length_adaptive_alpha)
+    advantages, returns = decoupled_gae(token_rewards, values, inputs.mask, gamma=config.gamma,
+                                        lam_actor=lam_actor, lam_critic=config.lam_critic)
+    if config.whiten:
+        advantages = _whiten(advantages, inputs.mask, axis=None, eps=config.eps) * inputs.mask
+    return advantages, returns
 
 
 def compute(
@@ -457,29 +521,19 @@ def compute(
       `(advantages [B, N], returns [B, N] | None)`, both times the mask; the entropy bonus
       (`entropy_bonus_alpha > 0`) is applied to the token-level advantages last.
     """
-    config.validate()
     name = config.estimator
-    rewards = jnp.asarray(rewards, jnp.float32)
+    entry = registry.resolve("advantage", name, "rl.loss.advantage.estimator")
+    if config.per_component and not entry.info.get("per_component"):
+        raise ValueError(f"per_component normalisation is not defined for advantage estimator {name!r}")
     mask = jnp.asarray(mask, jnp.float32)
     penalty = None if token_penalty is None else jnp.asarray(token_penalty, jnp.float32) * mask
-    returns = None
-    if name == "gae":
-        values = _require(values, name, "values from a critic (set rl.critic.model)")
-        token_rewards = outcome_token_rewards(rewards, mask)
-        if penalty is not None:
-            token_rewards = token_rewards - penalty
-        lam_actor = config.lam_actor
-        if config.length_adaptive_alpha is not None:
-            lam_actor = length_adaptive_lambda(mask.sum(axis=1), config.length_adaptive_alpha)
-        advantages, returns = decoupled_gae(token_rewards, values, mask, gamma=config.gamma,
-                                            lam_actor=lam_actor, lam_critic=config.lam_critic)
-        if config.whiten:
-            advantages = _whiten(advantages, mask, axis=None, eps=config.eps) * mask
-    else:
-        advantages = _sequence_level(
-            config, rewards, mask, group_size, entropy=entropy, greedy_rewards=greedy_rewards,
-            components=components, component_weights=component_weights, penalty=penalty)
-    advantages = broadcast_to_tokens(advantages, mask)
+    inputs = AdvantageInputs(jnp.asarray(rewards, jnp.float32), mask, group_size, entropy=entropy, values=values,
+                             greedy_rewards=greedy_rewards, components=components,
+                             component_weights=None if component_weights is None else tuple(component_weights),
+                             token_penalty=penalty)
+    out = entry.fn(inputs, config)
+    advantages, returns = out if isinstance(out, tuple) else (out, None)
+    advantages = broadcast_to_tokens(jnp.asarray(advantages, jnp.float32), mask)
     if config.entropy_bonus_alpha > 0:
         entropy = _require(entropy, name, "entropy (entropy_bonus_alpha > 0)")
         advantages = entropy_augmented(advantages, entropy, alpha=config.entropy_bonus_alpha,

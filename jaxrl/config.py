@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, get_args
+from typing import Literal
 
-from jaxrl.advantages import NEEDS_CRITIC, Estimator
+from jaxrl import registry
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
 from jaxrl.data.prompts import PromptFields
 from jaxrl.losses import LossConfig
@@ -133,22 +133,16 @@ class RLConfig:
         if batch % (self.minibatches * self.micro_batches):
             raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by minibatches x "
                              f"micro_batches = {self.minibatches} x {self.micro_batches}")
-        estimator = self.loss.advantage.estimator
-        if estimator in NEEDS_CRITIC and self.critic.model == "none":
-            raise ValueError(f"advantage estimator {estimator!r} needs a critic, but critic.model is 'none'; "
-                             f"set critic.model to 'policy_copy', or choose an estimator without one: "
-                             f"{', '.join(e for e in get_args(Estimator) if e not in NEEDS_CRITIC)}")
         if (self.critic.model == "separate") != bool(self.critic.checkpoint):
             raise ValueError("critic.model 'separate' loads its network from critic.checkpoint (and only it does): "
                              f"got critic.model={self.critic.model!r}, critic.checkpoint={self.critic.checkpoint!r}")
-        if self.critic.model != "none" and estimator not in NEEDS_CRITIC:
-            raise ValueError(f"critic.model is {self.critic.model!r} but advantage estimator {estimator!r} does "
-                             f"not use values; estimators that do: {', '.join(sorted(NEEDS_CRITIC))}")
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    function: Literal["arithmetic", "math", "code"] = "arithmetic"  # see jaxrl.loop.REWARD_FUNCTIONS
+    # The verifiable reward: a registered name (jaxrl.registry kind `reward`: arithmetic, math, code, and those of
+    # modules under `imports:`) or `module:function`; it receives any of prompt, completion, reference, row.
+    function: str = "arithmetic"
     num_workers: int = _field(2, ge=1)
     # Per completion; a stuck worker is killed and replaced. For `code`, all of a problem's test runs share it
     # (each ~20-50 ms to start, at most 5 s): runs that no longer fit score as failed, with a logged warning.
@@ -289,6 +283,9 @@ class PlanConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = _field(0, ge=0, le=2**32 - 1)  # the data shuffle (grain) takes 32 bits
+    # Modules imported when the config loads (before its names are checked): their `@jaxrl.registry.register`
+    # decorators add rewards, objectives, ratios, advantage estimators or writers that the config names.
+    imports: tuple[str, ...] = _field((), import_modules=True)
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard
@@ -312,15 +309,40 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     plan: PlanConfig = _section(PlanConfig)
 
+    def pieces(self) -> dict[str, registry.Entry]:
+        """Config field -> the registry entry it names: every named reward, objective, ratio and estimator."""
+        return {"reward.function": registry.resolve("reward", self.reward.function, "reward.function"),
+                **self.rl.loss.pieces("rl.loss")}
+
+    def check_pieces(self) -> None:
+        """Check what every named piece needs against the rest of the config (`configlib` imported `imports:`
+        before building any section, so the names they register resolve)."""
+        registry.import_modules(self.imports)  # already imported by configlib; a Config built in Python too
+        pieces = self.pieces()
+        estimator, needs = self.rl.loss.advantage.estimator, pieces["rl.loss.advantage.estimator"].needs
+        if "critic" in needs and self.rl.critic.model == "none":
+            without = [n for n in registry.names("advantage")
+                           if "critic" not in registry.resolve("advantage", n, "").needs]
+            raise registry.RegistryError(
+                f"rl.critic.model: advantage estimator {estimator!r} needs a critic, but critic.model is 'none'; "
+                f"set critic.model to 'policy_copy', or choose an estimator without one: {', '.join(without)}")
+        if self.rl.critic.model != "none" and "critic" not in needs:
+            using = [n for n in registry.names("advantage") if "critic" in registry.resolve("advantage", n, "").needs]
+            raise registry.RegistryError(f"rl.critic.model is {self.rl.critic.model!r} but advantage estimator "
+                                         f"{estimator!r} does not use values; estimators that do: {', '.join(using)}",
+                                         field="rl.critic.model")
+        if "binary_rewards" in needs and (set(self.reward.component_weights()) != {"correct"}
+                                          or not pieces["reward.function"].info.get("binary")):
+            raise registry.RegistryError(
+                f"rl.loss.advantage.estimator: estimator {estimator!r} splits each group by binary outcome rewards "
+                f"(right or wrong): it cannot take shaped rewards (reward.format_weight, overlong_buffer, "
+                f"length_target) or a reward that is not registered as binary, such as the code reward's pass "
+                f"fraction (reward.function {self.reward.function!r})")
+
     def validate(self) -> None:
         if not self.output_dir.strip():
             raise ValueError("output_dir is empty: name the run's directory")
-        estimator = self.rl.loss.advantage.estimator
-        if estimator in ("gtpo", "grpo_s") and (set(self.reward.component_weights()) != {"correct"}
-                                                 or self.reward.function == "code"):
-            raise ValueError(f"rl.loss.advantage.estimator {estimator!r} splits each group by binary outcome "
-                             "rewards (right or wrong): it cannot take shaped rewards (reward.format_weight, "
-                             "overlong_buffer, length_target) or the code reward's pass fraction")
+        self.check_pieces()
         buffer, max_new = self.reward.overlong_buffer, self.rl.sampling.max_new_tokens
         if buffer is not None and buffer > max_new:
             raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds rl.sampling.max_new_tokens ({max_new})")

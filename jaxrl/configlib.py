@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import operator
 import os
@@ -436,6 +437,7 @@ def _merge(base, section: _Section, path: str):
         if key not in fields:
             raise _unknown_field(key, fields, path, entry.where)
     base = _apply_preset(cls, base, section, path, hints)
+    _import_listed_modules(fields, section, path, hints)
     changes = {}
     for name, f in fields.items():
         _describe(hints[name])  # rejects unsupported schema types up front
@@ -459,8 +461,43 @@ def _merge(base, section: _Section, path: str):
         overrides = dict.fromkeys(w for w in _leaf_sources(section)
                                   if w.startswith("override") and w != section.where)
         where = " with ".join([section.where, *overrides]) if section.where else ", ".join(overrides)
-        raise _error(where, path, str(e)) from e
+        field = _leaf_where(section, getattr(e, "field", None), path)  # the error names the field: its line
+        raise _error(field or where, path, str(e)) from e
     return obj
+
+
+def _import_listed_modules(fields, section: _Section, path: str, hints) -> None:
+    """Import the modules of a field marked ``metadata={"import_modules": True}`` before any other field of
+    the section is built, so that the names their import registers can be checked by ``validate``."""
+    for name, f in fields.items():
+        entry = section.items.get(name)
+        if not f.metadata.get("import_modules") or entry is None:
+            continue
+        sub = _join(path, name)
+        for i, module in enumerate(_convert(hints[name], entry, sub, getattr(f, "default", ()))):
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # noqa: BLE001 - any failure of the user's module is this field's error
+                hint = (" (is it on the Python path? run from the directory that holds it, or set PYTHONPATH)"
+                        if isinstance(e, ModuleNotFoundError) else "")
+                raise _error(entry.where, f"{sub}[{i}]", f"cannot import module {module!r}: "
+                                                         f"{type(e).__name__}: {e}{hint}") from None
+
+
+def _leaf_where(section: _Section, field: str | None, path: str) -> str | None:
+    """Where the value of the dotted `field` (relative to the root) was set in `section` (at `path`): its
+    `file:line` or override; None when the field is unset here or unknown."""
+    if not field:
+        return None
+    prefix = f"{path}." if path else ""
+    if not field.startswith(prefix):
+        return None
+    node: _Section | _Value = section
+    for key in re.sub(r"\[\d+\]$", "", field[len(prefix):]).split("."):
+        if not isinstance(node, _Section) or key not in node.items:
+            return None
+        node = node.items[key]
+    return node.where
 
 
 def _leaf_sources(section: _Section):

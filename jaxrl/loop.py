@@ -36,7 +36,6 @@ from jaxrl.data.batching import shuffled_batches
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
-from jaxrl.losses.batch import AdvantageFn
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
                             layout_from, process_local, process_max, process_rows, replicate, shard_batch,
@@ -49,8 +48,6 @@ from jaxrl.models.hf import CheckpointError
 
 log = logging.getLogger("jaxrl")
 
-REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify,
-                    "code": rewards.code_reward}
 RewardFn = Callable[[str, str], float]  # (completion, reference) -> reward
 
 
@@ -184,7 +181,7 @@ def evaluate_sampled(policy, generate: Generator, problems, pool: rewards.Reward
     settings = dataclasses.replace(config.rl.sampling, temperature=e.temperature)
     per_call = max(1, e.batch_size // e.samples)  # problems per sampler call
     start, correct, votes = time.perf_counter(), [], []
-    with_answers = config.reward.function in ("arithmetic", "math")
+    with_answers = bool(config.pieces()["reward.function"].info.get("answers"))
     for i, chunk, padded, real in _process_batches(problems, per_call, generate.mesh):
         generation = generate(policy, [p.prompt for p in padded], jax.random.fold_in(key, i), settings,
                               group_size=e.samples)
@@ -412,12 +409,11 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
 
 
 def run(config: Config, config_source: str = "", loss: Term | None = None,
-        advantage_fn: AdvantageFn | None = None, reward_fn: RewardFn | None = None) -> dict[str, Any]:
+        reward_fn: RewardFn | None = None) -> dict[str, Any]:
     """Train the recipe end to end; writes everything under `config.output_dir`.
 
     `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
     config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
-    `advantage_fn` replaces the estimator of `config.rl.loss.advantage` (see `losses.batch.AdvantageFn`).
     `reward_fn` replaces `config.reward.function` for training and the held-out evaluation: a
     `(completion, reference) -> float` function that spawned reward workers can import by name (defined in
     an importable module, not in `__main__`). The shaping of `config.reward` is composed with it as usual.
@@ -487,7 +483,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
         with open(os.path.join(out, RUN_MODEL_FILE), "w") as f:  # the model this run trains: read by load_policy
             f.write(configlib.dump_yaml(policy.config))
     times["data_time_s"] = time.perf_counter() - t0
-    reward_fn = reward_fn or REWARD_FUNCTIONS[config.reward.function]
+    reward_fn = reward_fn or config.pieces()["reward.function"].fn
     max_new = config.rl.sampling.max_new_tokens
     eval_args = dict(batch_size=config.eval.batch_size, max_new_tokens=max_new)
     if resume_step is None:
@@ -517,7 +513,7 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
 
         t0 = time.perf_counter()
         state, controls, totals = _rl(policy, config, train_problems, eval_problems, generate, pool, writer,
-                                      checkpointer, loss, advantage_fn, resume_step, resumed, critic_trunk)
+                                      checkpointer, loss, resume_step, resumed, critic_trunk)
         times["rl_time_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -582,7 +578,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint: {e}") from None
     tokenizer, _ = _load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
     generate = _generator(eval_problems, tokenizer, layout.mesh, config)
-    with rewards.RewardPool(REWARD_FUNCTIONS[config.reward.function], num_workers=config.reward.num_workers,
+    with rewards.RewardPool(config.pieces()["reward.function"].fn, num_workers=config.reward.num_workers,
                             timeout_s=config.reward.timeout_s, batch_timeout_s=config.reward.batch_timeout_s) as pool:
         result = evaluate(policy, generate, eval_problems, pool, config.eval.batch_size,
                           config.rl.sampling.max_new_tokens)
@@ -742,7 +738,7 @@ def _hf_files(path: str) -> str | None:
 
 
 def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, pool, writer, checkpointer,
-        loss: Term | None = None, advantage_fn: AdvantageFn | None = None, resume_step: int | None = None,
+        loss: Term | None = None, resume_step: int | None = None,
         resumed: tuple | None = None, critic_trunk: models.Policy | None = None):
     """RL from `warm_policy` (the warm-started policy), or from `resumed` (`_restore`'s result for
     `resume_step`; `warm_policy` is then unused).
@@ -766,7 +762,6 @@ def _rl(warm_policy, config: Config, train_problems, eval_problems, generate, po
     value_fn = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
     component_weights = config.reward.component_weights()  # name -> weight; the `[B, K]` columns' order
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
-                                        advantage_fn=advantage_fn,
                                         component_weights=tuple(component_weights.values())))
     keep_ref = loss_config.needs_ref_logp or full_kl
     first_step = 1

@@ -10,6 +10,8 @@ import pytest
 
 from jaxrl import advantages as adv
 from jaxrl.advantages import AdvantageConfig
+from jaxrl import registry
+from jaxrl.losses import LossConfig
 
 RTOL, ATOL = 1e-5, 1e-5
 SHAPES = [(8, 5, 4), (12, 7, 3), (6, 1, 2)]  # (B, N, G)
@@ -494,10 +496,13 @@ def jit_compute():
 
 def test_config_is_hashable_and_validates():
     assert hash(AdvantageConfig()) == hash(AdvantageConfig())
-    assert adv.NEEDS_CRITIC == {"gae"}
-    AdvantageConfig(per_component=True).validate()
+    needs = {name: registry.resolve("advantage", name, "x").needs for name in registry.names("advantage")}
+    assert {name for name, n in needs.items() if "critic" in n} == {"gae"}
+    assert {name for name, n in needs.items() if "entropy" in n} == {"gtpo", "grpo_s"}
+    assert {name for name, n in needs.items() if "greedy_rollouts" in n} == {"remax"}
+    LossConfig(advantage=AdvantageConfig(per_component=True)).check_pieces()
     with pytest.raises(ValueError, match="per_component.*'grpo'.*'rloo'"):
-        AdvantageConfig(estimator="rloo", per_component=True).validate()
+        LossConfig(advantage=AdvantageConfig(estimator="rloo", per_component=True)).check_pieces()
     with pytest.raises(ValueError, match="per_component"):
         adv.compute(AdvantageConfig(estimator="opo", per_component=True), jnp.ones(4), jnp.ones((4, 2)), 2)
 

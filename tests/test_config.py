@@ -52,7 +52,7 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.loss.kl_estimator=k4"], ["rl.loss.kl_estimator", "'k3'", "'full'"]),
         ("", ["rl.loss.advantage.estimator=ppo"], ["rl.loss.advantage.estimator", "'gae'", "'rloo'", "'grpo_s'"]),
         ("", ["rl.loss.advantage.estimator=gae"],
-         ["estimator 'gae' needs a critic", "critic.model to 'policy_copy'", "grpo, rloo, reinforce_pp"]),
+         ["estimator 'gae' needs a critic", "critic.model to 'policy_copy'", "grpo, grpo_s, gtpo, opo, reinforce_pp, remax, rloo"]),
         ("", ["rl.loss.preset=ppo"], ["estimator 'gae' needs a critic"]),
         ("", ["rl.critic.model=policy_copy"], ["advantage estimator 'grpo' does not use values", "gae"]),
         ("", ["rl.critic.model=value_head"], ["rl.critic.model", "'policy_copy'"]),

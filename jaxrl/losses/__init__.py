@@ -21,13 +21,13 @@ from jaxrl.losses.compose import (Controls, LossInputs, Term, build_loss, combin
 from jaxrl.losses.config import PRESETS, LossConfig
 from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covariance, top_entropy_mask,
                                 truncation_mask)
-from jaxrl.losses.policy import (OBJECTIVES, RATIOS, cispo, gmpo, ppo_clip, reinforce, sequence_log_ratio,
+from jaxrl.losses.policy import (cispo, gmpo, ppo_clip, reinforce, sequence_log_ratio,
                                  sequence_token_log_ratio, token_log_ratio, truncated_is_weights)
 from jaxrl.losses.regularizers import (KL_ESTIMATORS, adapt_entropy_coef, adapt_temperature, kl_estimate, kl_full,
                                        kl_k1, kl_k2, kl_k3, value_loss)
 
 __all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "OBJECTIVES", "PRESETS", "RATIOS", "Controls", "LossConfig", "LossInputs",
+    "AGGREGATIONS", "KL_ESTIMATORS", "PRESETS", "Controls", "LossConfig", "LossInputs",
     "Normalizers", "Term", "adapt_entropy_coef", "adapt_temperature", "aggregate", "build_loss", "cispo",
     "clip_cov_mask", "combine", "entropy_term", "gmpo", "kl_cov_mask", "kl_cov_term", "kl_estimate", "kl_full",
     "kl_k1", "kl_k2", "kl_k3", "kl_term", "logp_advantage_covariance", "mean_over_updates", "normalizers",

@@ -9,8 +9,6 @@ selections) and the KL-Cov selection. Inputs are `[B, N]` (`[B]` for rewards); p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -20,11 +18,6 @@ from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covar
                                 truncation_mask)
 from jaxrl.losses.policy import truncated_is_weights
 from jaxrl.losses.regularizers import kl_estimate
-
-# `(rewards [B], mask [B, N], group_size, *, entropy, values, token_penalty) -> advantages [B] or [B, N]`,
-# or `(advantages, returns [B, N])`: a user-written estimator replacing `config.advantage`.
-AdvantageFn = Callable[..., "jax.Array | tuple[jax.Array, jax.Array | None]"]
-
 
 def _mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     m = mask.astype(jnp.float32)
@@ -36,8 +29,7 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
                   entropy: jax.Array | None = None, ref_logp: jax.Array | None = None,
                   sampler_logp: jax.Array | None = None, values: jax.Array | None = None,
                   greedy_rewards: jax.Array | None = None, components: jax.Array | None = None,
-                  component_weights: tuple[float, ...] | None = None,
-                  advantage_fn: AdvantageFn | None = None) -> tuple[dict[str, jax.Array], dict]:
+                  component_weights: tuple[float, ...] | None = None) -> tuple[dict[str, jax.Array], dict]:
     """Advantages, masks and weights of a rollout batch.
 
     Args:
@@ -48,8 +40,6 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
       truncated: `[B]` bool, completions that hit the length limit (for `mask_truncated`).
       greedy_rewards, components, component_weights: for the `remax` and per-component estimators.
       key: PRNG key (Clip-Cov's random selection).
-      advantage_fn: a user-written estimator used instead of `config.advantage` (see `AdvantageFn`); it
-        gets `token_penalty [B, N]` (the KL folded into the reward) or None and must apply it itself.
 
     Returns:
       `(fields, metrics)`: fields `advantages [B, N]`, `loss_mask [B, N]`, and when used `token_weights`,
@@ -72,14 +62,9 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
         token_penalty = config.kl_coef * kl
         metrics["kl_ref"] = _mean(kl, mask)
 
-    if advantage_fn is None:
-        advantages, returns = adv.compute(config.advantage, rewards, mask, group_size, entropy=entropy,
-                                          values=values, greedy_rewards=greedy_rewards, components=components,
-                                          component_weights=component_weights, token_penalty=token_penalty)
-    else:
-        out = advantage_fn(rewards, mask, group_size, entropy=entropy, values=values, token_penalty=token_penalty)
-        advantages, returns = out if isinstance(out, tuple) else (out, None)
-        advantages = adv.broadcast_to_tokens(advantages, mask)
+    advantages, returns = adv.compute(config.advantage, rewards, mask, group_size, entropy=entropy,
+                                      values=values, greedy_rewards=greedy_rewards, components=components,
+                                      component_weights=component_weights, token_penalty=token_penalty)
     fields = {"advantages": advantages, "loss_mask": loss_mask}
     if returns is not None:
         fields["returns"] = returns

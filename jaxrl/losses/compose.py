@@ -26,7 +26,8 @@ from flax import struct
 
 from jaxrl.losses.aggregation import Normalizers, aggregate, masked_max, masked_min, token_mean
 from jaxrl.losses.config import LossConfig
-from jaxrl.losses.policy import OBJECTIVE_FUNCTIONS, RATIO_FUNCTIONS, clamped_ratio
+from jaxrl import registry
+from jaxrl.losses.policy import clamped_ratio
 from jaxrl.losses.regularizers import K1_AS_LOSS, kl_estimate, kl_k3, value_loss
 
 sg = jax.lax.stop_gradient
@@ -88,12 +89,12 @@ def _require(value, name: str, term: str):
     return value
 
 
-def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token", aggregation: str = "token-mean",
+def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str | Callable = "token", aggregation: str = "token-mean",
                 eps_low: float = 0.2, eps_high: float = 0.28, dual_clip_c: float | None = None) -> Term:
     """The policy-gradient term: ratio -> per-token objective -> token weights -> aggregation.
 
-    `objective` names one of `policy.OBJECTIVE_FUNCTIONS` or is a function
-    `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c) -> (loss [B, N], metrics [B, N])`.
+    `objective` is a registered objective's name (`jaxrl.registry`, kind `objective`), `module:function`, or a
+    function `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c) -> (loss [B, N], metrics [B, N])`.
     Metrics: `policy_loss`, the objective's per-token indicators (token means), `ratio_mean`, `ratio_max`,
     `ratio_min`, `approx_kl_old` (k3 of the old policy to the current), `masked_frac` (valid tokens whose
     weight is 0) and `entropy` when available. With token weights, the objective's indicators and the ratio
@@ -102,12 +103,8 @@ def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str = "token",
     count they describe all valid tokens); `masked_frac` and `entropy` describe all valid tokens.
     """
     if isinstance(objective, str):
-        if objective not in OBJECTIVE_FUNCTIONS:
-            raise ValueError(f"unknown objective {objective!r}; valid choices: {', '.join(OBJECTIVE_FUNCTIONS)}")
-        objective = OBJECTIVE_FUNCTIONS[objective]
-    if ratio not in RATIO_FUNCTIONS:
-        raise ValueError(f"unknown ratio {ratio!r}; valid choices: {', '.join(RATIO_FUNCTIONS)}")
-    ratio_fn = RATIO_FUNCTIONS[ratio]
+        objective = registry.resolve("objective", objective, "objective").fn
+    ratio_fn = registry.resolve("ratio", ratio, "ratio").fn if isinstance(ratio, str) else ratio
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         mask = inputs.mask.astype(jnp.float32)

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args
 
+from jaxrl import registry
 from jaxrl.advantages import AdvantageConfig
 from jaxrl.losses.aggregation import Aggregation
-from jaxrl.losses.policy import Objective, Ratio
 from jaxrl.losses.regularizers import K1_AS_LOSS, KLEstimator
 
 Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
@@ -76,8 +76,10 @@ class LossConfig:
     preset: Preset | None = None  # a named configuration; explicitly set fields override it
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     # Importance ratio and objective.
-    ratio: Ratio = "token"
-    objective: Objective = "ppo_clip"
+    # Registered names (jaxrl.registry kinds `ratio`, `objective`; with those of modules under `imports:`) or
+    # `module:function`. Ratios: token, sequence, sequence_token; objectives: ppo_clip, reinforce, cispo, gmpo.
+    ratio: str = "token"
+    objective: str = "ppo_clip"
     clip_eps_low: float = _field(0.2, ge=0)  # gmpo: log-space bounds
     clip_eps_high: float = _field(0.28, ge=0)
     dual_clip_c: float | None = _field(None, gt=1)  # ppo_clip only: caps the loss of A < 0 tokens at -c A
@@ -122,11 +124,7 @@ class LossConfig:
         return configlib.from_dict(cls, {"preset": name, **overrides}, source=f"LossConfig.from_preset({name!r})")
 
     def validate(self) -> None:
-        if self.objective == "gmpo" and self.ratio != "token":
-            raise ValueError(f"objective 'gmpo' forms its own geometric-mean sequence ratio from token ratios; "
-                             f"ratio must be 'token', got {self.ratio!r}")
-        if self.dual_clip_c is not None and self.objective != "ppo_clip":
-            raise ValueError(f"dual_clip_c applies to objective 'ppo_clip' only, got objective {self.objective!r}")
+        self.check_pieces("rl.loss")
         if self.kl_estimator == "full" and (self.kl_in_reward or self.kl_target != "ref"):
             raise ValueError("kl_estimator 'full' is a loss term to the reference policy (kl_target: ref, "
                              "kl_in_reward: false); valid estimators otherwise: k1, k2, k3")
@@ -135,14 +133,41 @@ class LossConfig:
         if self.kl_in_reward and self.kl_target != "ref":
             raise ValueError("kl_in_reward folds KL(old policy || reference) into the reward; kl_target must be "
                              f"'ref', got {self.kl_target!r}")
-        if self.kl_in_reward and self.kl_coef and self.advantage.estimator in ("gtpo", "grpo_s"):
-            raise ValueError(f"advantage estimator {self.advantage.estimator!r} splits each group by binary "
-                             "outcome rewards and takes no KL penalty in the reward: set kl_in_reward: false")
         if self.clip_cov_ratio and not self.clip_cov_low < self.clip_cov_high:
             raise ValueError(f"clip_cov_low ({self.clip_cov_low}) must be < clip_cov_high ({self.clip_cov_high})")
         if not self.temperature_min <= self.temperature_max:
             raise ValueError(f"temperature_min ({self.temperature_min}) must be <= temperature_max "
                              f"({self.temperature_max})")
+
+    def pieces(self, prefix: str = "rl.loss") -> dict[str, registry.Entry]:
+        """Field -> the registry entry it names (importing `module:function` names)."""
+        return {f"{prefix}.objective": registry.resolve("objective", self.objective, f"{prefix}.objective"),
+                f"{prefix}.ratio": registry.resolve("ratio", self.ratio, f"{prefix}.ratio"),
+                f"{prefix}.advantage.estimator": registry.resolve("advantage", self.advantage.estimator,
+                                                                  f"{prefix}.advantage.estimator")}
+
+    def check_pieces(self, prefix: str = "rl.loss") -> None:
+        """The checks that depend on what the named objective, ratio and estimator are (`imports:` are imported
+        before the config's sections are built)."""
+        pieces = self.pieces(prefix)
+        objective, estimator = pieces[f"{prefix}.objective"], pieces[f"{prefix}.advantage.estimator"]
+        if objective.info.get("own_ratio") and self.ratio != "token":
+            raise registry.RegistryError(
+                f"{prefix}.ratio: objective {self.objective!r} forms its own sequence ratio from token ratios; "
+                f"ratio must be 'token', got {self.ratio!r}", field=f"{prefix}.ratio")
+        if self.dual_clip_c is not None and not objective.info.get("dual_clip"):
+            raise registry.RegistryError(f"{prefix}.dual_clip_c: dual_clip_c applies to objective 'ppo_clip' (and "
+                                         f"those registered with dual_clip=True), not {self.objective!r}",
+                                         field=f"{prefix}.dual_clip_c")
+        if self.advantage.per_component and not estimator.info.get("per_component"):
+            raise registry.RegistryError(
+                f"{prefix}.advantage.per_component: normalising each reward component is defined for estimator "
+                f"'grpo', not {self.advantage.estimator!r}", field=f"{prefix}.advantage.per_component")
+        if self.kl_in_reward and self.kl_coef and "binary_rewards" in estimator.needs:
+            raise registry.RegistryError(
+                f"{prefix}.kl_in_reward: estimator {self.advantage.estimator!r} splits each group by "
+                "binary outcome rewards and takes no KL penalty in the reward: set kl_in_reward: false",
+                field=f"{prefix}.kl_in_reward")
 
     # Which per-token inputs the objective needs from the rollout; the loop computes only these.
     @property
@@ -153,7 +178,12 @@ class LossConfig:
     def needs_entropy(self) -> bool:
         a = self.advantage
         return (self.top_entropy_fraction is not None or a.entropy_bonus_alpha > 0
-                or a.estimator in ("gtpo", "grpo_s"))
+                or "entropy" in self.estimator_needs)
+
+    @property
+    def estimator_needs(self) -> frozenset[str]:
+        """What the advantage estimator needs (`jaxrl.registry.NEEDS`)."""
+        return registry.resolve("advantage", self.advantage.estimator, "rl.loss.advantage.estimator").needs
 
     @property
     def needs_full_kl(self) -> bool:

@@ -4,7 +4,7 @@ Every function takes `[B, N]` arrays (B sequences, N completion tokens) and retu
 (to be aggregated, see `aggregation.py`) with per-token metric arrays. Only `logp` (the current policy's
 log-probs) carries gradients; `old_logp` and advantages are treated as constants.
 
-Ratios (`RATIOS`), each returning the log importance ratio per token:
+Ratios (registered as kind `ratio`, see `jaxrl.registry`), each returning the log importance ratio per token:
 
 - `token`: `logp - old_logp` (PPO, Schulman et al. 2017).
 - `sequence`: GSPO's length-normalised sequence ratio `mean_t(logp - old_logp)` broadcast to the
@@ -12,7 +12,7 @@ Ratios (`RATIOS`), each returning the log importance ratio per token:
 - `sequence_token`: GSPO-token, `sg[seq] + logp - sg[logp]`: the sequence ratio's value with per-token
   gradients, so token-level advantages stay usable.
 
-Objectives (`OBJECTIVES`), `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c)`:
+Objectives (kind `objective`), `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c)`:
 
 - `ppo_clip`: `max(-r A, -clip(r, 1-eps_low, 1+eps_high) A)`, with the dual clip `min(., -c A)` for
   `A < 0` when `dual_clip_c` is set (Ye et al. 2020, arXiv 1912.09729); `eps_high > eps_low` is DAPO's
@@ -27,11 +27,12 @@ Objectives (`OBJECTIVES`), `(log_ratio, advantages, logp, mask, eps_low, eps_hig
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal, get_args
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from jaxrl.registry import register
 
 sg = jax.lax.stop_gradient
 
@@ -39,10 +40,6 @@ sg = jax.lax.stop_gradient
 # far off-policy; its value is capped there but its gradient keeps its sign (see `clamp_keep_gradient`).
 MAX_LOG_RATIO = 20.0
 
-Ratio = Literal["token", "sequence", "sequence_token"]
-Objective = Literal["ppo_clip", "reinforce", "cispo", "gmpo"]
-RATIOS: tuple[str, ...] = get_args(Ratio)
-OBJECTIVES: tuple[str, ...] = get_args(Objective)
 
 
 def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -51,26 +48,24 @@ def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(x * m, axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
 
 
+@register("ratio", "token")
 def token_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
     """`[B, N]` `logp - old_logp`, zero on masked tokens (so padding can never overflow `exp`)."""
     return jnp.where(mask.astype(bool), logp - sg(old_logp), 0.0)
 
 
+@register("ratio", "sequence")
 def sequence_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
     """GSPO: `[B, N]`, each valid token holds its sequence's `mean_t(logp - old_logp)`."""
     seq = _sequence_mean(token_log_ratio(logp, old_logp, mask), mask)
     return jnp.where(mask.astype(bool), seq[:, None], 0.0)
 
 
+@register("ratio", "sequence_token")
 def sequence_token_log_ratio(logp: jax.Array, old_logp: jax.Array, mask: jax.Array) -> jax.Array:
     """GSPO-token: value of the sequence ratio, gradient of each token's own log-prob."""
     seq = sequence_log_ratio(logp, old_logp, mask)
     return jnp.where(mask.astype(bool), sg(seq) + logp - sg(logp), 0.0)
-
-
-RATIO_FUNCTIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
-    "token": token_log_ratio, "sequence": sequence_log_ratio, "sequence_token": sequence_token_log_ratio,
-}
 
 
 def clamp_keep_gradient(x: jax.Array, bound: float = MAX_LOG_RATIO) -> jax.Array:
@@ -88,6 +83,7 @@ def clamped_ratio(log_ratio: jax.Array) -> jax.Array:
     return jnp.exp(clamp_keep_gradient(log_ratio))
 
 
+@register("objective", "ppo_clip", dual_clip=True)
 def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=0.2, dual_clip_c=None):
     """PPO clipped surrogate as a loss, with clip-higher and optional dual clip.
 
@@ -110,12 +106,14 @@ def ppo_clip(log_ratio, advantages, logp=None, mask=None, eps_low=0.2, eps_high=
     return loss, metrics
 
 
+@register("objective", "reinforce")
 def reinforce(log_ratio, advantages, logp=None, mask=None, eps_low=0.0, eps_high=0.0, dual_clip_c=None):
     """Unclipped importance-weighted policy gradient `-r A` (no clip metrics)."""
     del logp, mask, eps_low, eps_high, dual_clip_c
     return -clamped_ratio(log_ratio) * advantages, {}
 
 
+@register("objective", "cispo")
 def cispo(log_ratio, advantages, logp, mask=None, eps_low=1.0, eps_high=0.28, dual_clip_c=None):
     """CISPO: `-sg[clip(r, 1-eps_low, 1+eps_high)] * A * logp`.
 
@@ -131,6 +129,7 @@ def cispo(log_ratio, advantages, logp, mask=None, eps_low=1.0, eps_high=0.28, du
     return loss, metrics
 
 
+@register("objective", "gmpo", own_ratio=True)
 def gmpo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.4, dual_clip_c=None):
     """GMPO: `-A * exp(mean_t(sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_low, eps_high))))`.
 
@@ -148,9 +147,6 @@ def gmpo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.4,
     metrics = {"clip_frac_low": (was_clipped & (log_ratio < -eps_low)).astype(jnp.float32),
                "clip_frac_high": (was_clipped & (log_ratio > eps_high)).astype(jnp.float32)}
     return loss, metrics
-
-
-OBJECTIVE_FUNCTIONS = {"ppo_clip": ppo_clip, "reinforce": reinforce, "cispo": cispo, "gmpo": gmpo}
 
 
 def truncated_is_weights(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array,

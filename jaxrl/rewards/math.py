@@ -25,6 +25,8 @@ import string
 from decimal import Decimal
 from fractions import Fraction
 
+from jaxrl.registry import register
+
 __all__ = [
     "arithmetic_reward",
     "extract_answer",
@@ -1137,6 +1139,7 @@ def is_equivalent(answer: str, reference: str) -> bool:
         return False
 
 
+@register("reward", "math", binary=True, answers=True)
 def math_verify(completion: str, reference: str, *, timeout: float | None = None) -> float:
     """1.0 if the extracted final answer is equivalent to ``reference``, else 0.0.
 
@@ -1158,6 +1161,7 @@ def _math_verify(completion: str, reference: str) -> float:
         return 0.0
 
 
+@register("reward", "arithmetic", binary=True, answers=True)
 def arithmetic_reward(completion: str, reference: str) -> float:
     """Default task reward: 1.0 iff the answer after the last ``####`` is correct.
 

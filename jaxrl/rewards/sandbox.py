@@ -177,6 +177,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
+from jaxrl.registry import register
 from jaxrl.rewards import assert_check
 from jaxrl.rewards.pool import item_deadline
 from jaxrl.rewards.sandbox_child import NOBODY
@@ -916,6 +917,7 @@ _budget_warned = False  # whether code_reward has warned about running out of ti
 _unsupported_warned = False  # whether run_tests has warned about an assert test it cannot split
 
 
+@register("reward", "code")
 def code_reward(completion: str, reference: str) -> float:
     """Pass fraction of the completion's last Python block on ``reference``'s tests; 0.0 on any problem.
 
