@@ -295,6 +295,12 @@ class Config:
     # A fresh run refuses an output_dir that holds another run's checkpoints unless this is set: then that
     # run's checkpoints and metrics are deleted (a restarted job that forgot resume=true loses nothing).
     overwrite: bool = False
+    # The run's own pieces (rewards, objectives, estimators named as module:function or registered by `imports:`)
+    # as `[field, module:qualname, sha256 of the source file]`: written by the run to its config.yaml and
+    # summary.json (a value set here is replaced). resume=true refuses a piece whose source changed since,
+    # unless `resume_changed_pieces` is set.
+    piece_sources: tuple[tuple[str, str, str], ...] = ()
+    resume_changed_pieces: bool = False
     model: ModelConfig = _section(ModelConfig)
     pretrained: PretrainedConfig = _section(PretrainedConfig)
     tokenizer: TokenizerConfig = _section(TokenizerConfig)

@@ -44,7 +44,7 @@ from typing import Any
 from jaxrl.errors import JaxrlError
 
 __all__ = ["Entry", "RegistryError", "KINDS", "NEEDS", "register", "resolve", "names", "import_modules",
-           "source_hash", "reward_arguments"]
+           "source_hash", "reward_arguments", "record", "changed"]
 
 
 class RegistryError(JaxrlError, ValueError):
@@ -270,3 +270,28 @@ def source_hash(fn: Callable) -> str:
         except (OSError, TypeError):
             text = _source_of(fn).encode()
     return hashlib.sha256(text).hexdigest()[:16]
+
+
+def record(pieces: Mapping[str, Entry]) -> tuple[tuple[str, str, str], ...]:
+    """`(field, module:qualname, source_hash)` of every piece that is not jaxrl's own, sorted by field: what a
+    run writes to its config.yaml (`piece_sources`) and summary.json."""
+    return tuple((field, entry.source, source_hash(entry.fn))
+                 for field, entry in sorted(pieces.items()) if not entry.builtin)
+
+
+def changed(recorded: Iterable[Iterable[str]], current: Iterable[Iterable[str]]) -> list[str]:
+    """One line per recorded piece that `current` names differently or whose source hash differs."""
+    now = {field: (source, digest) for field, source, digest in current}
+    lines = []
+    for field, source, digest in recorded:
+        held = now.get(field)
+        if held is None:
+            lines.append(f"{field}: the run used {source}, the config names a built-in piece or none")
+        elif held[0] != source:
+            lines.append(f"{field}: the run used {source}, the config names {held[0]}")
+        elif held[1] != digest:
+            lines.append(f"{field}: the source of {source} changed (sha256 {digest} -> {held[1]})")
+    recorded_fields = {field for field, _, _ in recorded}
+    lines += [f"{field}: the config names {source}, which the run did not use"
+              for field, (source, _) in now.items() if field not in recorded_fields]
+    return lines
