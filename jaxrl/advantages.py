@@ -531,7 +531,7 @@ def compute(
                              greedy_rewards=greedy_rewards, components=components,
                              component_weights=None if component_weights is None else tuple(component_weights),
                              token_penalty=penalty)
-    out = entry.fn(inputs, config)
+    out = entry.fn(inputs=inputs, config=config)
     advantages, returns = out if isinstance(out, tuple) else (out, None)
     advantages = broadcast_to_tokens(jnp.asarray(advantages, jnp.float32), mask)
     if config.entropy_bonus_alpha > 0:

@@ -17,12 +17,12 @@ Kinds, and the call a piece of each kind gets:
 - `objective`: `(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c) -> (loss [B, N], metrics)`,
   all `[B, N]` float32 (see `jaxrl.losses.policy`).
 - `ratio`: `(logp, old_logp, mask) -> log_ratio [B, N]`.
-- `advantage`: `(inputs: AdvantageInputs, config: AdvantageConfig) -> advantages [B] or [B, N]`, or
+- `advantage`: `(inputs: AdvantageInputs, config: AdvantageConfig)` (by name) `-> advantages [B] or [B, N]`, or
   `(advantages [B, N], returns [B, N])` (see `jaxrl.advantages`).
 - `reward`: per completion, any of `prompt, completion, reference, row` by name `-> float`; or batched, any of
   `prompts, completions, references, rows` (lists) `-> sequence of floats`. A class is instantiated once per
   reward worker (no arguments) and its instances called like a function (a reward model, a judge).
-- `writer`: `(directory: str, config) -> object with write(record: dict) and close()`: mirrors metrics.jsonl.
+- `writer`: `(directory: str, config)` (by name) `-> object with write(record: dict) and close()`: mirrors metrics.jsonl.
 
 `needs` says what a piece needs from the run: `entropy` (per-token policy entropy), `critic` (values),
 `greedy_rollouts` (a greedy completion per prompt, scored), `binary_rewards` (right-or-wrong outcomes only).
@@ -68,6 +68,8 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "reward": (),
     "writer": ("directory", "config"),
 })
+# Kinds called with keyword arguments (their parameter names must be the ones above); the others positionally.
+KEYWORD_KINDS = frozenset({"advantage", "writer"})
 NEEDS = frozenset({"entropy", "critic", "greedy_rollouts", "binary_rewards"})
 REWARD_ITEM = ("prompt", "completion", "reference", "row")
 REWARD_BATCH = ("prompts", "completions", "references", "rows")
@@ -200,7 +202,10 @@ def _check_signature(kind: str, fn: Callable, field: str) -> None:
         return
     expected = KINDS[kind]
     try:
-        signature.bind(*expected)
+        if kind in KEYWORD_KINDS:
+            signature.bind(**dict.fromkeys(expected))
+        else:
+            signature.bind(*expected)
     except TypeError as e:
         raise RegistryError(f"{field}: {_source_of(fn)}{signature} does not take a {kind}'s arguments "
                             f"({', '.join(expected)}): {e}") from None
