@@ -195,10 +195,11 @@ def test_missing_file_and_unknown_suffix(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "template", ["{question}", "no field", "{prompt} {0}", "{}", "{prompt", "{prompt:d}", "{prompt.x}"]
+    "template", ["no field", "{prompt} {0}", "{}", "{prompt", "{prompt:d}", "{prompt.x}", "{choices!r}",
+                 "{prompt[0]}", "{prompt}}"]
 )
 def test_invalid_template(template):
-    with pytest.raises(ValueError, match="invalid prompt template " + repr(template).replace("{", r"\{")):
+    with pytest.raises(ValueError, match="invalid prompt template " + re.escape(repr(template))):
         PromptFields(template=template)
 
 
