@@ -277,9 +277,11 @@ def _conversation(row: dict, fields: PromptFields) -> tuple[tuple[dict[str, str]
     last = max((n for n, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     prompt = messages if last is None else messages[:last]
     if not prompt or prompt[-1]["role"] != "user":
-        before = "the conversation" if last is None else f"the last assistant message (message {last})"
-        ends = "nothing" if not prompt else f"a {prompt[-1]['role']} message"
-        raise _BadRow(f"field {name!r}: {before} must follow a user message, not {ends}")
+        ends = "nothing" if not prompt else f"message {len(prompt) - 1} ({prompt[-1]['role']})"
+        if last is None:
+            raise _BadRow(f"field {name!r}: the conversation must end with a user message, not {ends}")
+        raise _BadRow(f"field {name!r}: the last assistant message (message {last}) must follow a user message, "
+                      f"not {ends}")
     return tuple(prompt), None if last is None else messages[last]["content"]
 
 
