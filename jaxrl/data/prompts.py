@@ -2,9 +2,10 @@
 solution)`.
 
 Which fields hold the prompt and the reference, the prompt template, and how the reference is extracted
-are described by `PromptFields`. The template may use any field of the row (`"{question}\n\nChoices:
+are described by `PromptFields`. The template may use any field of the row (`"{question}\\n\\nChoices:
 {choices}"`); `{prompt}` is the text of the prompt field. A string is inserted as it is, a number, list or
-object as JSON. Presets for common layouts:
+object as JSON; a field the template names that a row lacks (or holds null) makes that row bad. Presets for
+common layouts:
 
 - GSM8K: `PromptFields("question", "answer", reference_pattern=r"#### (.+)$")`
 - MATH: `PromptFields("problem", "solution", reference_from="boxed")` (`jaxrl.rewards.math.extract_answer`:
@@ -19,7 +20,8 @@ Chat rows (`format="messages"`, OpenAI style): `{"messages": [{"role": "system" 
 str}, ...], ...}`. The prompt conversation is every message before the last assistant message (all of them when
 there is none) and must end with a user turn; the last assistant message is the demonstration (`solution`) and,
 unless the row has the reference field, the reference (then `reference_pattern` / `reference_from` apply to it).
-A system message may only come first. A chat record's `prompt` is its last user message.
+A system message may only come first. A chat record's `prompt` is its last user message; `record.messages`
+is what the model sees, through the chat template (`jaxrl.data.render.render_prompt`).
 
 Demonstrations for a supervised warm start: `solution` is the `solution` field's string (None when the row
 lacks it or it is null), or a chat row's last assistant message.
@@ -35,6 +37,7 @@ row too. Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -77,6 +80,7 @@ class PromptRecord:
 ROLES = ("system", "user", "assistant")
 
 
+@functools.lru_cache(maxsize=64)  # parsed once per template, not once per row
 def template_fields(template: str) -> tuple[str, ...]:
     """The row fields `template` names, in order of first use; ValueError for a template that is not plain
     `str.format` fields (`{name}`, no positional fields, attribute or index access, conversions or formats)."""
