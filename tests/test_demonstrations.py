@@ -77,3 +77,26 @@ def test_config_allows_a_warm_start_from_demonstrations():
     assert load_config(Config, None, [*SFT_WITH_FILES, "data.solution_field=solution"]).sft.steps == 10
     assert load_config(Config, None, [*SFT_WITH_FILES, "data.format=messages", "data.chat_template=true"])
     assert load_config(Config, None, ["sft.steps=10"]).data.train_file is None  # the built-in teacher
+
+
+def test_a_chat_file_gives_warm_start_examples(tmp_path):
+    """The warm start's path, short of the model: chat rows -> demonstrations -> render_prompt -> encode_examples
+    (the tiny checkpoint's ChatML tokenizer): the tokens are the conversation, then the answer and EOS."""
+    from jaxrl.data.render import render_prompt
+    from jaxrl.tiny import write_tiny_checkpoint
+    from jaxrl.tokenizer import encode_examples, load_tokenizer
+
+    tokenizer = load_tokenizer(write_tiny_checkpoint(tmp_path / "tiny", layers=1, hidden=16))
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"},
+                          {"role": "assistant", "content": f"{i + 1}"}]} for i in range(4)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, _ = load_prompts(path, PromptFields(format="messages"))
+    (record, solution), = itertools.islice(demonstrations(records, seed=0), 1)
+    prompt = render_prompt(record, tokenizer, chat_template=True)
+    tokens, prompt_valid, mask = encode_examples(tokenizer, [prompt], [solution], 64, templated=True)
+    i = int(solution) - 1
+    assert prompt == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{i}+1?<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    assert tokens[0, :64][prompt_valid[0]].tolist() == tokenizer.encode(prompt)
+    assert tokens[0, 64:][mask[0]].tolist() == [*tokenizer.encode(solution), tokenizer.eos_id]
