@@ -1,4 +1,4 @@
-"""The text the model sees for a prompt record: `render_prompt(record, tokenizer, chat_template=..., system_prompt=...)`.
+"""The text the model sees for a prompt record: `render_prompt(record, tokenizer, chat_template=, system_prompt=)`.
 
 - A prompt record without `chat_template`: its templated prompt, as it is.
 - With `chat_template`: `[system_prompt?] + user(prompt)` through the tokenizer's chat template, ending with the
