@@ -1,6 +1,6 @@
 """`jaxrl` command line: `jaxrl train CONFIG [key=value ...]`, `jaxrl eval CONFIG checkpoint=PATH [key=value ...]`,
 `jaxrl convert SRC DST [options]`, `jaxrl plan CONFIG [key=value ...] --topology NAME`, `jaxrl bench sample|train
-[options]`."""
+[options]`, `jaxrl tiny-checkpoint OUT_DIR [options]`."""
 
 from __future__ import annotations
 
@@ -121,6 +121,36 @@ def _bench_train(args: argparse.Namespace) -> int:
     return run_train(args)
 
 
+def _tiny_checkpoint(args: argparse.Namespace) -> int:
+    from jaxrl.tiny import write_tiny_checkpoint  # heavy imports (jax) only once the arguments parse
+
+    try:
+        path = write_tiny_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
+                                     seed=args.seed, overwrite=args.overwrite)
+    except (FileExistsError, ValueError, OSError) as e:
+        print(f"jaxrl: tiny-checkpoint error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a tiny {args.family} checkpoint (random weights, byte-level BPE, ChatML chat template) to {path}\n"
+          f"try: jaxrl train configs/default.yaml pretrained.path={path}")
+    return 0
+
+
+def _add_tiny_checkpoint(commands) -> None:
+    tiny = commands.add_parser(
+        "tiny-checkpoint", help="write a tiny random Hugging Face checkpoint with a tokenizer, to try recipes",
+        description="Write a tiny Hugging Face checkpoint (config.json, model.safetensors with random weights, a "
+                    "byte-level BPE tokenizer.json and tokenizer_config.json with a ChatML chat template) for "
+                    "trying recipes without downloads: jaxrl train configs/default.yaml pretrained.path=OUT_DIR.")
+    tiny.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (must not exist or be empty)")
+    tiny.add_argument("--family", choices=("llama", "qwen2", "qwen3", "gemma3"), default="qwen2",
+                      help="architecture (default: qwen2)")
+    tiny.add_argument("--layers", type=int, default=2, help="transformer layers (default: 2)")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size, a multiple of 16 (default: 64)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    tiny.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT_DIR")
+    tiny.set_defaults(handler=_tiny_checkpoint)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxrl.bench import add_sample_arguments, add_train_arguments  # standard library only at import
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
@@ -175,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--whole-sampler", action="store_true", help="also compile the sampler as one program (its "
                       "real memory; the slowest compile) beside its prefill and decode step")
     plan.set_defaults(handler=_plan)
+    _add_tiny_checkpoint(commands)
     bench = commands.add_parser("bench", help="benchmarks (random weights, fixed workloads)",
                                 description="Benchmarks on random weights; each prints one JSON line, then a table.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)

@@ -177,31 +177,45 @@ class DataConfig:
     """Prompt sets from local JSONL / Parquet files (see jaxrl.data.prompts). Without `train_file` the
     built-in arithmetic task (`task`) runs. With it, RL draws prompts from `train_file`, the greedy
     accuracy is measured on `eval_file`, and the tokenizer is trained on both files' prompts and
-    references."""
+    references. Demonstrations for the warm start (sft.steps) come from `solution_field`, or from a chat
+    row's last assistant message (`format: messages`)."""
 
     train_file: str | None = None
     eval_file: str | None = None
+    # prompt: a prompt field + template; messages: OpenAI-style chat rows [{"role", "content"}, ...], whose
+    # conversation before the last assistant message is the prompt (needs chat_template: true)
+    format: Literal["prompt", "messages"] = "prompt"
     prompt_field: str = "question"  # row field with the prompt text
     reference_field: str = "answer"  # row field with the reference (string, number, list or dict)
-    template: str = "{prompt}"  # str.format template around the prompt
+    messages_field: str = "messages"  # row field with a chat row's messages (format: messages)
+    solution_field: str | None = None  # row field with a worked solution: the warm start's demonstration
+    template: str = "{prompt}"  # str.format template over the row's fields; {prompt}: the prompt_field's text
     reference_pattern: str | None = None  # regex whose group 1 is the reference, e.g. '#### (.+)$' (GSM8K)
     reference_from: Literal["field", "boxed"] = "field"  # boxed: the answer extracted from the field (MATH)
     skip_bad_rows: bool = False  # skip malformed rows (counted in summary.json) instead of stopping
     chat_template: bool = False  # wrap each templated prompt as a user turn with the tokenizer's chat template
-    system_prompt: str | None = None  # a system turn before it (chat_template only)
+    system_prompt: str | None = None  # a system turn before it (chat_template only; a chat row's own one wins)
     # Each batch of prompts is left-padded to the shortest of this many lengths that fits it: the longest
     # prompt's length and its halves (multiples of 8). More buckets: less padding, more compiled programs.
     prompt_buckets: int = _field(4, gt=0)
 
     def prompt_fields(self) -> PromptFields:
         return PromptFields(self.prompt_field, self.reference_field, self.template, self.reference_pattern,
-                            self.reference_from)
+                            self.reference_from, self.format, self.messages_field, self.solution_field)
+
+    @property
+    def has_demonstrations(self) -> bool:
+        """Whether the train file's rows can carry demonstrations for a supervised warm start."""
+        return self.solution_field is not None or self.format == "messages"
 
     def validate(self) -> None:
         if (self.train_file is None) != (self.eval_file is None):
             raise ValueError("train_file and eval_file go together: RL prompts from one, held-out prompts for "
                              "the greedy accuracy from the other")
-        self.prompt_fields()  # checks the template and the reference pattern
+        if self.format == "messages" and not self.chat_template:
+            raise ValueError("data.format 'messages' needs data.chat_template: true (the tokenizer's chat "
+                             "template renders each conversation)")
+        self.prompt_fields()  # checks the template (its syntax), the format and the reference pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +366,11 @@ class Config:
         buffer, max_new = self.reward.overlong_buffer, self.rl.sampling.max_new_tokens
         if buffer is not None and buffer > max_new:
             raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds rl.sampling.max_new_tokens ({max_new})")
-        if self.data.train_file is not None and self.sft.steps:
-            raise ValueError(f"sft.steps is {self.sft.steps}, but the warm start imitates the teacher of the "
-                             "built-in arithmetic task, which a prompt file (data.train_file) does not have: "
-                             "set sft.steps=0")
+        if self.data.train_file is not None and self.sft.steps and not self.data.has_demonstrations:
+            raise ValueError(f"sft.steps is {self.sft.steps}, but a prompt file (data.train_file) gives the warm "
+                             "start no demonstrations: set data.solution_field (a row field with worked "
+                             "solutions), use data.format: messages (the last assistant message), or set "
+                             "sft.steps=0")
         if self.data.system_prompt is not None and not self.data.chat_template:
             raise ValueError("data.system_prompt needs data.chat_template: true")
         if self.pretrained.path is None and self.tokenizer.vocab_size > self.model.vocab_size:

@@ -83,4 +83,4 @@ def test_missing_prompt_file_and_inconsistent_data_config(tmp_path, capsys):
     with pytest.raises(ConfigError, match="set sft.steps=0"):
         load_config(Config, recipe)
     with pytest.raises(ConfigError, match="invalid prompt template"):
-        load_config(Config, recipe, ["sft.steps=0", "data.template='Q: {question}'"])
+        load_config(Config, recipe, ["sft.steps=0", "data.template='Q: {question!r}'"])

@@ -195,10 +195,11 @@ def test_missing_file_and_unknown_suffix(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "template", ["{question}", "no field", "{prompt} {0}", "{}", "{prompt", "{prompt:d}", "{prompt.x}"]
+    "template", ["no field", "{prompt} {0}", "{}", "{prompt", "{prompt:d}", "{prompt.x}", "{choices!r}",
+                 "{prompt[0]}", "{prompt}}"]
 )
 def test_invalid_template(template):
-    with pytest.raises(ValueError, match="invalid prompt template " + repr(template).replace("{", r"\{")):
+    with pytest.raises(ValueError, match="invalid prompt template " + re.escape(repr(template))):
         PromptFields(template=template)
 
 
@@ -317,3 +318,160 @@ def test_a_damaged_parquet_file_is_named(tmp_path):
     path.write_bytes(b"PAR1 this is not really parquet")
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a readable Parquet file \(after 0 rows\)"):
         load_prompts(path, GSM8K)
+
+
+# ---------------------------------------------------------------------------
+# Templates over any row field; the row and the solution on the record
+# ---------------------------------------------------------------------------
+
+MCQ = PromptFields("question", "answer", template="{question}\n\nChoices: {choices}\n{prompt} (n={n})")
+
+
+def test_templates_use_any_row_field(tmp_path):
+    row = {"question": "Pick one.", "choices": ["A", "B é"], "n": 2, "answer": "A", "meta": {"id": 7}}
+    path = write_jsonl(tmp_path / "mcq.jsonl", [row])
+    (record,), _ = load_prompts(path, MCQ)
+    # {prompt} is the prompt field's text; a string as it is, a list or number as JSON.
+    assert record.prompt == 'Pick one.\n\nChoices: ["A", "B é"]\nPick one. (n=2)'
+    assert record.row == row and record.messages is None and record.solution is None
+
+
+def test_a_template_without_prompt_does_not_need_the_prompt_field(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "1+1", "answer": "2"}])
+    (record,), _ = load_prompts(path, PromptFields(template="Solve: {problem}"))
+    assert record.prompt == "Solve: 1+1"
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"question": "q", "n": 1, "answer": "A"}, "template field 'choices' missing (row keys: answer, n, question)"),
+    ({"question": "q", "choices": None, "n": 1, "answer": "A"}, "template field 'choices' is null"),
+    ({"question": "q", "choices": "x", "n": float("nan"), "answer": "A"}, "template field 'n' is nan"),
+    ({"question": "q", "choices": "\ud800", "n": 1, "answer": "A"}, "template field 'choices' has a lone surrogate"),
+])
+def test_a_missing_template_field_is_that_rows_error(tmp_path, bad, message):
+    good = {"question": "q", "choices": "x", "n": 1, "answer": "A"}
+    path = write_jsonl(tmp_path / "mcq.jsonl", [good, bad, good])
+    with pytest.raises(ValueError) as info:
+        load_prompts(path, MCQ)
+    assert str(info.value).startswith(f"{path}:2: {message}")
+    records, skipped = load_prompts(path, MCQ, skip_bad_rows=True)
+    assert skipped == 1 and [r.source for r in records] == [f"{path}:1", f"{path}:3"]
+
+
+def test_records_with_rows_stay_hashable_and_compare_without_the_row():
+    a = PromptRecord("p", "1", "f:1", {"x": [1]})
+    b = PromptRecord("p", "1", "f:1", {"x": [2]})
+    chat = PromptRecord("p", "1", "f:2", {}, ({"role": "user", "content": "p"},), "1")
+    assert a == b and hash(a) == hash(b) and len({a, b, chat}) == 2
+    assert "row=" not in repr(a)  # errors and logs stay one line
+
+
+def test_solution_field(tmp_path):
+    rows = [{"question": "1+1", "answer": "2", "worked": "1+1=2"}, {"question": "2+2", "answer": "4"},
+            {"question": "3+3", "answer": "6", "worked": None}]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    records, _ = load_prompts(path, PromptFields(solution="worked"))
+    assert [r.solution for r in records] == ["1+1=2", None, None]  # a row may lack one
+    for bad, message in (({"question": "q", "answer": "1", "worked": 3}, "field 'worked' (the solution) must be "
+                          "a string, got int"), ({"question": "q", "answer": "1", "worked": " "},
+                                                  "field 'worked' (the solution) is empty")):
+        path = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        with pytest.raises(ValueError, match=re.escape(f"{path}:1: {message}")):
+            load_prompts(path, PromptFields(solution="worked"))
+
+
+# ---------------------------------------------------------------------------
+# Chat `messages` rows
+# ---------------------------------------------------------------------------
+
+CHAT = PromptFields(format="messages")
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def _chat(*turns, **extra):
+    return {"messages": [{"role": r, "content": c} for r, c in turns], **extra}
+
+
+def test_messages_rows(tmp_path):
+    rows = [
+        {"messages": [SYSTEM, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "id": 1},
+        _chat(("user", "1+1?"), ("assistant", "2"), ("user", "times 3?"), ("assistant", "#### 6")),
+        _chat(("user", "3+3?"), answer="6"),  # no assistant message: the reference field gives the reference
+        _chat(("user", "5+5?"), ("assistant", "#### 10"), answer="ten"),  # the reference field wins
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    records, skipped = load_prompts(path, CHAT)
+    assert skipped == 0
+    first, multi, unanswered, both = records
+    assert first.messages == (SYSTEM, {"role": "user", "content": "2+2?"})
+    assert (first.prompt, first.reference, first.solution, first.row) == ("2+2?", "4", "4", rows[0])
+    # Every message before the LAST assistant message is the prompt conversation.
+    assert [m["content"] for m in multi.messages] == ["1+1?", "2", "times 3?"]
+    assert (multi.prompt, multi.reference, multi.solution) == ("times 3?", "#### 6", "#### 6")
+    assert (unanswered.messages, unanswered.reference, unanswered.solution) == (
+        ({"role": "user", "content": "3+3?"},), "6", None)
+    assert (both.reference, both.solution) == ("ten", "#### 10")
+    # reference_pattern / reference_from apply to the last assistant message as they do to a field.
+    gsm = PromptFields(format="messages", reference="none", reference_pattern=r"#### (.+)$")
+    assert load_prompts(write_jsonl(tmp_path / "g.jsonl", rows[1:2]), gsm)[0][0].reference == "6"
+    boxed = PromptFields(format="messages", reference="none", reference_from="boxed")
+    row = _chat(("user", "q"), ("assistant", "so \\boxed{12}."))
+    assert load_prompts(write_jsonl(tmp_path / "b.jsonl", [row]), boxed)[0][0].reference == "12"
+
+
+def test_messages_from_another_field_and_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    rows = [{"conversation": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    (record,), _ = load_prompts(tmp_path / "c.parquet", PromptFields(format="messages", messages="conversation"))
+    assert (record.messages, record.solution, record.source) == (
+        ({"role": "user", "content": "hi"},), "yo", f"{tmp_path / 'c.parquet'}:row 0")
+
+
+BAD_CHATS = [
+    ({"other": 1}, "field 'messages' missing (row keys: other)"),
+    ({"messages": "hi"}, "field 'messages' must be a list of messages, got str"),
+    ({"messages": []}, "field 'messages' is an empty conversation"),
+    ({"messages": ["hi"]}, "field 'messages' message 0 must be an object with 'role' and 'content', got str"),
+    (_chat(("tool", "x")), "field 'messages' message 0 has role 'tool', not one of system, user, assistant"),
+    ({"messages": [{"content": "x"}]}, "field 'messages' message 0 has role None"),
+    ({"messages": [{"role": "user", "content": None}]}, "field 'messages' message 0 (user) content must be a "
+                                                        "string, got NoneType"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "field 'messages' message 0 (user) content must be a string, got list"),
+    (_chat(("user", "  ")), "field 'messages' message 0 (user) has empty content"),
+    (_chat(("user", "q"), ("assistant", "")), "field 'messages' message 1 (assistant) has empty content"),
+    (_chat(("user", "q"), ("system", "s"), ("assistant", "a")),
+     "field 'messages' message 1 is a system message after the first message"),
+    (_chat(("assistant", "a")), "field 'messages': the last assistant message (message 0) must follow a user "
+                                "message, not nothing"),
+    (_chat(("system", "s"), ("assistant", "a")), "field 'messages': the last assistant message (message 1) must "
+                                                  "follow a user message, not message 0 (system)"),
+    (_chat(("user", "q"), ("assistant", "a"), ("assistant", "b")),
+     "field 'messages': the last assistant message (message 2) must follow a user message, not message 1 (assistant)"),
+    (_chat(("system", "s")), "field 'messages': the conversation must end with a user message, not message 0 (system)"),
+    (_chat(("user", "q \udc00")), "field 'messages' message 0 (user) content has a lone surrogate"),
+    (_chat(("user", "q")), "field 'answer' missing"),  # no assistant answer and no reference field
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_CHATS, ids=[m for _, m in BAD_CHATS])
+def test_bad_messages_rows_name_file_line_and_what_is_wrong(tmp_path, bad, message):
+    good = _chat(("user", "q"), ("assistant", "a"))
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, bad, good])
+    with pytest.raises(ValueError) as info:
+        load_prompts(path, CHAT)
+    assert str(info.value).startswith(f"{path}:2: {message}")
+    records, skipped = load_prompts(path, CHAT, skip_bad_rows=True)
+    assert skipped == 1 and len(records) == 2
+
+
+def test_messages_options_that_do_not_apply_are_refused():
+    with pytest.raises(ValueError, match="template 'Q: {prompt}' applies to format 'prompt' rows"):
+        PromptFields(format="messages", template="Q: {prompt}")
+    with pytest.raises(ValueError, match="solution field 'worked' applies to format 'prompt' rows"):
+        PromptFields(format="messages", solution="worked")
+    with pytest.raises(ValueError, match="format must be 'prompt' or 'messages'"):
+        PromptFields(format="chat")  # type: ignore[arg-type]

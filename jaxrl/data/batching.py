@@ -28,13 +28,13 @@ def shuffled_batches(items: Sequence[T], batch_size: int, seed: int,
         raise ValueError("cannot batch an empty list of items")
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is not in [0, {count})")
-    dataset = grain.MapDataset.source(items).shuffle(seed=_shuffle_seed(seed)).repeat()
+    dataset = grain.MapDataset.source(items).shuffle(seed=shuffle_seed(seed)).repeat()
     if count > 1:
         dataset = dataset[index::count]
     return iter(dataset.batch(batch_size, batch_fn=list).to_iter_dataset())
 
 
-def _shuffle_seed(seed: int) -> int:
+def shuffle_seed(seed: int) -> int:
     """grain's shuffle seed for run seed `seed`: Knuth's multiplicative hash, a bijection of the 32-bit seeds
     that keeps 0. grain shuffles epoch e with seed + e, so consecutive run seeds used as they are would draw the
     same orders one epoch apart (seed 1's first epoch was seed 0's second): a seed sweep would not be

@@ -1,7 +1,11 @@
-"""Prompt sets from local files: JSONL or Parquet rows -> `PromptRecord(prompt, reference, source)`.
+"""Prompt sets from local files: JSONL or Parquet rows -> `PromptRecord(prompt, reference, source, row, messages,
+solution)`.
 
 Which fields hold the prompt and the reference, the prompt template, and how the reference is extracted
-are described by `PromptFields`. Presets for common layouts:
+are described by `PromptFields`. The template may use any field of the row (`"{question}\\n\\nChoices:
+{choices}"`); `{prompt}` is the text of the prompt field. A string is inserted as it is, a number, list or
+object as JSON; a field the template names that a row lacks (or holds null) makes that row bad. Presets for
+common layouts:
 
 - GSM8K: `PromptFields("question", "answer", reference_pattern=r"#### (.+)$")`
 - MATH: `PromptFields("problem", "solution", reference_from="boxed")` (`jaxrl.rewards.math.extract_answer`:
@@ -11,6 +15,16 @@ are described by `PromptFields`. Presets for common layouts:
   whose items are `{"input": str, "output": str}` or `{"assert": str}`, or the APPS form `{"input": [str, ...],
   "output": [str, ...]}` (equal lengths; paired up into that list). Any other shape is a bad row: the reward
   would score it 0 forever. A number becomes `json.dumps(value)` (e.g. `"42"`).
+
+Chat rows (`format="messages"`, OpenAI style): `{"messages": [{"role": "system" | "user" | "assistant", "content":
+str}, ...], ...}`. The prompt conversation is every message before the last assistant message (all of them when
+there is none) and must end with a user turn; the last assistant message is the demonstration (`solution`) and,
+unless the row has the reference field, the reference (then `reference_pattern` / `reference_from` apply to it).
+A system message may only come first. A chat record's `prompt` is its last user message; `record.messages`
+is what the model sees, through the chat template (`jaxrl.data.render.render_prompt`).
+
+Demonstrations for a supervised warm start: `solution` is the `solution` field's string (None when the row
+lacks it or it is null), or a chat row's last assistant message.
 
 Text (prompt, reference, test strings) must be valid Unicode: a lone surrogate (JSON `"\\ud83d"` without its
 pair) is a bad row, since no tokenizer or program can take it.
@@ -23,6 +37,7 @@ row too. Bad rows raise `ValueError("<file>:<line>: <reason>")` (`<file>:row <i>
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -38,7 +53,8 @@ from jaxrl.data.batching import shuffled_batches
 from jaxrl.rewards.math import extract_answer
 from jaxrl.models.safe_read import check_regular, json_depth, open_regular
 
-__all__ = ["DataError", "PromptFields", "PromptRecord", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches"]
+__all__ = ["DataError", "PromptFields", "PromptRecord", "ROLES", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches",
+           "template_fields"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +65,42 @@ _MAX_ROW_DEPTH = 64  # JSON nesting of a row (code tests nest 3 levels)
 
 @dataclasses.dataclass(frozen=True)
 class PromptRecord:
-    prompt: str  # templated prompt text, ready for the tokenizer
+    """One prompt of a data file. Equality and hashing use `prompt`, `reference`, `source` and `solution`
+    (`messages` is compared, not hashed; `row` neither: `source` names the row)."""
+
+    prompt: str  # templated prompt text, ready for the tokenizer (a chat record: its last user message)
     reference: str  # what the reward function compares against
     source: str  # "file:line" (JSONL, 1-based) or "file:row N" (Parquet, 0-based)
+    row: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # the row as read
+    # A chat record's conversation up to the model's turn: `{"role", "content"}` dicts; None for a prompt row.
+    messages: tuple[dict[str, str], ...] | None = dataclasses.field(default=None, hash=False)
+    solution: str | None = None  # the demonstration of a supervised warm start, or None
+
+
+ROLES = ("system", "user", "assistant")
+
+
+@functools.lru_cache(maxsize=64)  # parsed once per template, not once per row
+def template_fields(template: str) -> tuple[str, ...]:
+    """The row fields `template` names, in order of first use; ValueError for a template that is not plain
+    `str.format` fields (`{name}`, no positional fields, attribute or index access, conversions or formats)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:  # unbalanced braces
+        raise ValueError(f"invalid prompt template {template!r}: {e}") from None
+    names: list[str] = []
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ValueError(f"invalid prompt template {template!r}: {{{name}{'!' + conversion if conversion else ''}"
+                             f"{':' + spec if spec else ''}}} is not a plain field; write {{field_name}} (a row "
+                             f"field, or {{prompt}} for the prompt field), and {{{{ }}}} for a literal brace")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError(f"invalid prompt template {template!r}: it names no field; write e.g. '{{prompt}}'")
+    return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +109,23 @@ class PromptFields:
 
     prompt: str = "question"  # row field holding the prompt text (must be a string)
     reference: str = "answer"  # row field holding the reference (string, number, list or dict)
-    template: str = "{prompt}"  # str.format template; its only field is {prompt}
+    template: str = "{prompt}"  # str.format template over the row's fields; {prompt} is the prompt field
     reference_pattern: str | None = None  # regex searched in the reference; group 1 is the reference
     reference_from: Literal["field", "boxed"] = "field"  # "boxed": extract_answer() of the field
+    format: Literal["prompt", "messages"] = "prompt"  # messages: OpenAI-style chat rows
+    messages: str = "messages"  # row field holding a chat row's messages
+    solution: str | None = None  # row field holding a worked solution (format "prompt"); None: none
 
     def __post_init__(self) -> None:
-        try:
-            names = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}
-            if names != {"prompt"}:
-                raise ValueError(f"fields {sorted(names)}")
-            self.template.format(prompt="")
-        except (ValueError, KeyError, IndexError, AttributeError) as e:
-            raise ValueError(f"invalid prompt template {self.template!r}: it must be a str.format template "
-                             f"whose only field is {{prompt}} ({e})") from None
+        template_fields(self.template)
+        if self.format not in ("prompt", "messages"):
+            raise ValueError(f"format must be 'prompt' or 'messages', got {self.format!r}")
+        if self.format == "messages" and self.template != "{prompt}":
+            raise ValueError(f"template {self.template!r} applies to format 'prompt' rows; with format 'messages' "
+                             "the chat template renders each row's conversation as it is")
+        if self.format == "messages" and self.solution is not None:
+            raise ValueError(f"solution field {self.solution!r} applies to format 'prompt' rows; with format "
+                             "'messages' a row's demonstration is its last assistant message")
         if self.reference_from not in ("field", "boxed"):
             raise ValueError(f"reference_from must be 'field' or 'boxed', got {self.reference_from!r}")
         if self.reference_pattern is not None:
@@ -131,53 +184,133 @@ def _code_tests(raw: list | dict, name: str) -> list[dict[str, str]]:
     return tests
 
 
-def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
-    """One parsed row -> PromptRecord, or raise _BadRow with the reason."""
-    if not isinstance(row, dict):
-        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+def _field_value(row: dict, name: str, what: str = "field") -> Any:
+    """`row[name]`, or _BadRow when it is missing or null."""
+    if name not in row:
+        raise _BadRow(f"{what} {name!r} missing (row keys: {', '.join(sorted(map(str, row)))})")
+    if row[name] is None:
+        raise _BadRow(f"{what} {name!r} is null")
+    return row[name]
 
-    def get(name: str) -> Any:
-        if name not in row:
-            raise _BadRow(f"field {name!r} missing (row keys: {', '.join(sorted(map(str, row)))})")
-        if row[name] is None:
-            raise _BadRow(f"field {name!r} is null")
-        return row[name]
 
-    prompt = get(fields.prompt)
+def _prompt_text(row: dict, fields: PromptFields) -> str:
+    """The prompt field's text: a non-empty string of valid Unicode."""
+    prompt = _field_value(row, fields.prompt)
     if not isinstance(prompt, str):
         raise _BadRow(f"field {fields.prompt!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise _BadRow(f"field {fields.prompt!r} is empty")
-    _check_text(prompt, f"field {fields.prompt!r}")
+    return _check_text(prompt, f"field {fields.prompt!r}")
 
-    raw = get(fields.reference)
+
+def _template_text(value: Any, name: str) -> str:
+    """A template field's value as text: a string as it is, a number, list or object as JSON."""
+    if isinstance(value, str):
+        return _check_text(value, f"template field {name!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _BadRow(f"template field {name!r} is {value!r}, not a finite number")
+    text = json.dumps(value, ensure_ascii=False)
+    return _check_text(text, f"template field {name!r}")
+
+
+def _templated_prompt(row: dict, fields: PromptFields) -> str:
+    """`fields.template` filled from `row` (`{prompt}`: the prompt field's text)."""
+    values = {}
+    for name in template_fields(fields.template):
+        values[name] = (_prompt_text(row, fields) if name == "prompt"
+                        else _template_text(_field_value(row, name, "template field"), name))
+    text = fields.template.format(**values)
+    if not text.strip():
+        raise _BadRow(f"the prompt template {fields.template!r} gives an empty prompt")
+    return text
+
+
+def _reference(raw: Any, fields: PromptFields, field: str | None) -> str:
+    """The reference from the value `raw` of row field `field` (None: a chat row's last assistant message)."""
+    name = f"field {field!r}" if field is not None else "the last assistant message"
     if isinstance(raw, str):
-        reference = _check_text(raw, f"field {fields.reference!r}")
+        reference = _check_text(raw, name)
         if fields.reference_pattern is not None:
             match = re.search(fields.reference_pattern, raw)
             if match is None:
-                raise _BadRow(f"field {fields.reference!r} does not match reference_pattern "
-                              f"{fields.reference_pattern!r}")
+                raise _BadRow(f"{name} does not match reference_pattern {fields.reference_pattern!r}")
             reference = match.group(1) or ""
         elif fields.reference_from == "boxed":
             reference = extract_answer(raw)
             if reference is None:
-                raise _BadRow(f"no answer found in field {fields.reference!r}")
+                raise _BadRow(f"no answer found in {name}")
         reference = reference.strip()
         if not reference:
-            raise _BadRow(f"field {fields.reference!r} gives an empty reference")
-    elif fields.reference_pattern is not None or fields.reference_from != "field":
-        raise _BadRow(f"field {fields.reference!r} must be a string to extract the reference from, "
-                      f"got {type(raw).__name__}")
-    elif isinstance(raw, (list, dict)):
-        reference = json.dumps({"tests": _code_tests(raw, fields.reference)})
-    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            raise _BadRow(f"{name} gives an empty reference")
+        return reference
+    if fields.reference_pattern is not None or fields.reference_from != "field":
+        raise _BadRow(f"{name} must be a string to extract the reference from, got {type(raw).__name__}")
+    if isinstance(raw, (list, dict)):
+        return json.dumps({"tests": _code_tests(raw, str(field))})
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
         if isinstance(raw, float) and not math.isfinite(raw):  # JSON's NaN / Infinity: no answer can equal it
-            raise _BadRow(f"field {fields.reference!r} is {raw!r}, not a finite number")
-        reference = json.dumps(raw)
-    else:
-        raise _BadRow(f"field {fields.reference!r} has unsupported type {type(raw).__name__}")
-    return PromptRecord(prompt=fields.template.format(prompt=prompt), reference=reference, source=source)
+            raise _BadRow(f"{name} is {raw!r}, not a finite number")
+        return json.dumps(raw)
+    raise _BadRow(f"{name} has unsupported type {type(raw).__name__}")
+
+
+def _conversation(row: dict, fields: PromptFields) -> tuple[tuple[dict[str, str], ...], str | None]:
+    """`(prompt conversation, last assistant message or None)` of a chat row: the messages before the last
+    assistant message (all when there is none), which must end with a user turn."""
+    name = fields.messages
+    raw = _field_value(row, name)
+    if not isinstance(raw, list):
+        raise _BadRow(f"field {name!r} must be a list of messages, got {type(raw).__name__}")
+    if not raw:
+        raise _BadRow(f"field {name!r} is an empty conversation")
+    messages = []
+    for n, message in enumerate(raw):
+        where = f"field {name!r} message {n}"
+        if not isinstance(message, dict):
+            raise _BadRow(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise _BadRow(f"{where} has role {role!r}, not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise _BadRow(f"{where} ({role}) content must be a string, got {type(content).__name__}")
+        if role != "system" and not content.strip():
+            raise _BadRow(f"{where} ({role}) has empty content")
+        if role == "system" and n:
+            raise _BadRow(f"{where} is a system message after the first message")
+        messages.append({"role": role, "content": _check_text(content, f"{where} ({role}) content")})
+    last = max((n for n, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    prompt = messages if last is None else messages[:last]
+    if not prompt or prompt[-1]["role"] != "user":
+        ends = "nothing" if not prompt else f"message {len(prompt) - 1} ({prompt[-1]['role']})"
+        if last is None:
+            raise _BadRow(f"field {name!r}: the conversation must end with a user message, not {ends}")
+        raise _BadRow(f"field {name!r}: the last assistant message (message {last}) must follow a user message, "
+                      f"not {ends}")
+    return tuple(prompt), None if last is None else messages[last]["content"]
+
+
+def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
+    """One parsed row -> PromptRecord, or raise _BadRow with the reason."""
+    if not isinstance(row, dict):
+        raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
+    if fields.format == "messages":
+        conversation, answer = _conversation(row, fields)
+        if fields.reference in row or answer is None:
+            reference = _reference(_field_value(row, fields.reference), fields, fields.reference)
+        else:
+            reference = _reference(answer, fields, None)
+        return PromptRecord(conversation[-1]["content"], reference, source, row, conversation, answer)
+    prompt = _templated_prompt(row, fields)
+    reference = _reference(_field_value(row, fields.reference), fields, fields.reference)
+    solution = None
+    if fields.solution is not None and row.get(fields.solution) is not None:
+        solution = row[fields.solution]
+        if not isinstance(solution, str):
+            raise _BadRow(f"field {fields.solution!r} (the solution) must be a string, got {type(solution).__name__}")
+        if not solution.strip():
+            raise _BadRow(f"field {fields.solution!r} (the solution) is empty")
+        _check_text(solution, f"field {fields.solution!r}")
+    return PromptRecord(prompt, reference, source, row, None, solution)
 
 
 def _parse_row(text: str) -> Any:
