@@ -1,0 +1,126 @@
+"""The README stays short, and every relative link in it (and in the pages it sends readers to) resolves.
+
+A link resolves when its path names a file or folder inside the repository and its `#anchor`, if any, is
+the GitHub anchor of a heading in the target Markdown file (the README itself for a bare `#anchor`).
+"""
+import os
+import re
+import unicodedata
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README_MAX_LINES = 360
+# Pages whose links are checked: the README and the pages it links for depth.
+PAGES = ["README.md", "benchmarks/RESULTS.md", "notebooks/README.md"]
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+_EXTERNAL = ("http://", "https://", "mailto:")
+
+
+def _strip_code_blocks(text: str) -> str:
+    """The text with fenced code blocks removed (links and headings inside them are not Markdown)."""
+    return _FENCE.sub("", text)
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading's text: lower case, punctuation dropped, spaces to hyphens.
+
+    Markdown link syntax in the heading keeps only its text; letters, digits, `_` and `-` stay.
+    """
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    kept = "".join(ch for ch in text if ch in "-_ " or unicodedata.category(ch)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """Every heading anchor of a Markdown file, with GitHub's `-1`, `-2` suffixes for repeated headings."""
+    with open(path, encoding="utf-8") as f:
+        text = _strip_code_blocks(f.read())
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in _HEADING.findall(text):
+        slug = github_anchor(heading)
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def relative_links(path: str) -> list[str]:
+    """Targets of the Markdown links and images of a file, outside code blocks, external URLs left out."""
+    with open(path, encoding="utf-8") as f:
+        text = _strip_code_blocks(f.read())
+    return [t for t in _LINK.findall(text) if not t.startswith(_EXTERNAL)]
+
+
+def broken_links(page: str) -> list[str]:
+    """`target: reason` for every relative link of `page` (repository-relative) that does not resolve."""
+    page_path = os.path.join(REPO, page)
+    broken = []
+    for target in relative_links(page_path):
+        file_part, _, anchor = target.partition("#")
+        if file_part.startswith("/"):
+            broken.append(f"{target}: absolute path")
+            continue
+        resolved = os.path.normpath(os.path.join(os.path.dirname(page_path), file_part)) if file_part else page_path
+        if os.path.commonpath([resolved, REPO]) != REPO:
+            broken.append(f"{target}: outside the repository")
+        elif not os.path.exists(resolved):
+            broken.append(f"{target}: no such file")
+        elif anchor and not resolved.endswith(".md"):
+            broken.append(f"{target}: anchor into a file that is not Markdown")
+        elif anchor and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    return broken
+
+
+def test_github_anchor_matches_githubs_rules():
+    assert github_anchor("Will it fit? `jaxrl plan` for TPU pods and GPU nodes") == \
+        "will-it-fit-jaxrl-plan-for-tpu-pods-and-gpu-nodes"
+    assert github_anchor("One-step overlap (`rl.overlap=true`) on the default recipe (issue 9)") == \
+        "one-step-overlap-rloverlaptrue-on-the-default-recipe-issue-9"
+    assert github_anchor("Quickstart: your checkpoint, your JSONL") == "quickstart-your-checkpoint-your-jsonl"
+    assert github_anchor("The README's measured passages") == "the-readmes-measured-passages"
+    assert github_anchor("log_probs and [RESULTS](x.md)") == "log_probs-and-results"
+
+
+def test_broken_links_are_found(tmp_path, monkeypatch):
+    """The checker itself fails on a missing file, a missing anchor and a path outside the repository."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Same\n\n## Same\n\n```\n## Not a heading\n```\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/a.md#title) [dup](docs/a.md#same-1) [self](#top) [gone](docs/b.md) "
+        "[anchor](docs/a.md#not-a-heading) [out](../x.md) [abs](/etc/passwd) [web](https://example.com)\n"
+        "# Top\n```\n[in code](nowhere.md)\n```\n")
+    monkeypatch.setitem(globals(), "REPO", str(tmp_path))
+    assert broken_links("README.md") == [
+        "docs/b.md: no such file",
+        "docs/a.md#not-a-heading: no heading with anchor #not-a-heading",
+        "../x.md: outside the repository",
+        "/etc/passwd: absolute path",
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_relative_links_resolve(page):
+    assert os.path.exists(os.path.join(REPO, page)), page
+    assert broken_links(page) == []
+
+
+def test_readme_is_short():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; keep it at most {README_MAX_LINES}"
+
+
+def test_readme_opens_with_the_two_commands_and_the_quickstart():
+    """The first screen shows `make train` and `make test`; the quickstart comes right after them."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    first_screen = "\n".join(lines[:20])
+    assert "make train" in first_screen and "make test" in first_screen
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[:2] == ["## Two commands", "## Quickstart: your checkpoint, your JSONL, your reward, on a GPU"]
