@@ -172,8 +172,8 @@ def batch_rows(completions, rows):
 
 class CountingJudge:
     """A stateful batched reward, like a reward model loaded once per worker: its constructor appends its pid to
-    the file named by $REWARD_FNS_INSTANCES; it scores each completion with its process id and the number of
-    chunks this instance has scored (as pid * 1000 + chunk number)."""
+    the file named by $REWARD_FNS_INSTANCES; each call appends "<pid> <number of chunks this instance scored>" to
+    $REWARD_FNS_INSTANCES.calls and scores every completion 1.0 ("hang" hangs)."""
 
     def __init__(self):
         with open(os.environ["REWARD_FNS_INSTANCES"], "a") as f:
@@ -182,10 +182,12 @@ class CountingJudge:
 
     def __call__(self, completions, references):
         self.chunks += 1
+        with open(os.environ["REWARD_FNS_INSTANCES"] + ".calls", "a") as f:
+            f.write(f"{os.getpid()} {self.chunks}\n")
         if "hang" in completions:
             while True:
                 time.sleep(1.0)
-        return [float(os.getpid() % 10_000 * 1000 + self.chunks)] * len(completions)
+        return [1.0] * len(completions)
 
 
 class BrokenJudge:

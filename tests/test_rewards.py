@@ -886,9 +886,10 @@ def test_batched_chunk_budget_is_timeout_times_its_length():
 def test_batched_hang_within_a_batch_budget():
     with RewardPool(reward_fns.batch_lengths, num_workers=1, timeout_s=5.0, batch_size=2,
                     batch_timeout_s=0.5) as pool:
+        assert pool.score(["a"], [""], prompts=[""]).rewards.tolist() == [1.0]  # the worker has started
         t0 = time.monotonic()
         result = pool.score(["hang", "a", "b", "c"], [""] * 4, prompts=[""] * 4)
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 3.0  # about the batch budget; the hanging chunk alone had 2 x 5 s
         assert (result.rewards.tolist(), result.timeouts, result.errors) == ([0.0] * 4, 4, 0)  # 2 running, 2 queued
 
 
@@ -901,22 +902,32 @@ def _wait_for(condition, seconds: float) -> bool:
 
 def test_a_reward_class_is_instantiated_once_per_worker(tmp_path, monkeypatch):
     instances = tmp_path / "instances"
+    calls = tmp_path / "instances.calls"
     monkeypatch.setenv("REWARD_FNS_INSTANCES", str(instances))  # spawned workers inherit the environment
+
+    def chunks_by_pid() -> dict[int, list[int]]:  # pid -> the chunk numbers its instance counted, in order
+        out: dict[int, list[int]] = {}
+        for line in calls.read_text().splitlines():
+            pid, chunk = map(int, line.split())
+            out.setdefault(pid, []).append(chunk)
+        return out
+
     with RewardPool(reward_fns.CountingJudge, num_workers=2, timeout_s=0.25, batch_size=2) as pool:
         assert pool.batched
-        by_pid: dict[int, list[int]] = {}  # pid (mod 10^4) -> the chunk numbers its instance returned
-        for _ in range(40):  # until both workers have scored (the second may start after the first's chunks)
-            rewards = pool.score(["a"] * 8, [""] * 8).rewards
-            assert (rewards[0::2] == rewards[1::2]).all()  # one value per chunk of 2
-            for value in rewards[0::2].astype(int):
-                by_pid.setdefault(value // 1000, []).append(value % 1000)
-            if len(by_pid) == 2:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # until both workers have scored (one may start after the other's chunks)
+            result = pool.score(["a"] * 8, [""] * 8)
+            assert (result.rewards.tolist(), result.timeouts, result.errors) == ([1.0] * 8, 0, 0)
+            if len(chunks_by_pid()) == 2:
                 break
+            time.sleep(0.05)
         pids = [int(p) for p in instances.read_text().split()]
         assert len(pids) == len(set(pids)) == 2  # one instance per worker, kept across calls
-        assert sorted(by_pid) == sorted(p % 10_000 for p in pids)
+        by_pid = chunks_by_pid()
+        assert sorted(by_pid) == sorted(pids)
         for chunks in by_pid.values():
             assert chunks == list(range(1, len(chunks) + 1))  # each instance counted its own chunks, across calls
+        assert sum(map(len, by_pid.values())) % 4 == 0  # 4 chunks of 2 per call
         result = pool.score(["hang", "a"], ["", ""])  # one chunk per worker: the hanging one is replaced
         assert (result.timeouts, result.errors) == (1, 0)
         assert _wait_for(lambda: len(instances.read_text().split()) == 3, 30.0)  # the replacement's own instance
