@@ -210,3 +210,23 @@ def batch_seconds_left(completions):
     from jaxrl.rewards import item_deadline
 
     return [item_deadline() - time.monotonic()] * len(completions)
+
+
+class ByteModel:
+    """A tiny stateful reward model, loaded once per worker: a linear score of each completion's byte histogram,
+    with weights drawn from a fixed seed in the constructor (where a real one would read its checkpoint)."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.weights = np.random.default_rng(0).normal(size=256).astype(np.float32)  # [256]
+
+    def __call__(self, completions):
+        """completions: B strings -> [B] float32 scores."""
+        import numpy as np
+
+        features = np.zeros((len(completions), 256), np.float32)  # [B, 256] byte frequencies
+        for i, text in enumerate(completions):
+            data = np.frombuffer(text.encode(), np.uint8)
+            features[i] = np.bincount(data, minlength=256) / max(len(data), 1)
+        return features @ self.weights

@@ -893,6 +893,15 @@ def test_batched_hang_within_a_batch_budget():
         assert (result.rewards.tolist(), result.timeouts, result.errors) == ([0.0] * 4, 4, 0)  # 2 running, 2 queued
 
 
+def test_a_small_reward_model_scores_batches_in_the_pool():
+    completions = [f"answer {i} " * (i + 1) for i in range(9)]
+    expected = reward_fns.ByteModel()(completions)  # [9] float32, in this process
+    with RewardPool(reward_fns.ByteModel, num_workers=2, timeout_s=5.0, batch_size=4) as pool:
+        result = pool.score(completions, [""] * 9)  # chunks of 2 or 3 items, on both workers
+    np.testing.assert_allclose(result.rewards, expected, rtol=1e-6)
+    assert (result.timeouts, result.errors) == (0, 0)
+
+
 def _wait_for(condition, seconds: float) -> bool:
     end = time.monotonic() + seconds
     while not condition() and time.monotonic() < end:
