@@ -184,8 +184,12 @@ class RewardConfig:
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
     length_penalty_coef: float = _field(0.0, ge=0)
 
+    def __post_init__(self):  # a RewardConfig built in Python with a dict: read-only and hashable, as loaded
+        if not isinstance(self.extra, FrozenMapping):
+            object.__setattr__(self, "extra", FrozenMapping(self.extra))
+
     def component_weights(self) -> dict[str, float]:
-        """Name -> weight of every active reward component."""
+        """Name -> weight of every active reward component: `correct` (1), the shaping components, the extras."""
         weights = {"correct": 1.0}
         if self.format_weight:
             weights["format"] = self.format_weight

@@ -82,6 +82,13 @@ def test_config_names_every_reward_and_resolves_them_when_it_loads(tmp_path):
     assert list(reward_functions(config)) == ["correct", "reward_fns:brevity", "arithmetic"]
     assert reward_functions(config, reward_fns.quarter)["correct"] is reward_fns.quarter
     assert eval_reward(config) == ("reward_fns:exact_match", pieces["eval.reward"])
+    tuned = load_config(Config, path, ["reward.batch_size=8", "reward.num_workers=3", "reward.timeout_s=0.5",
+                                       "reward.batch_timeout_s=9", "reward.startup_timeout_s=120"])
+    with RewardScorer.from_config(tuned) as scorer:  # workers start on the first score(): none here
+        assert list(scorer.pools) == ["correct", "reward_fns:brevity", "arithmetic"]
+        assert scorer.pools["correct"].reward_fn.__name__ == "math_verify"
+        assert {(p.batch_size, p.num_workers, p.timeout_s, p.batch_timeout_s, p.startup_timeout_s)
+                for p in scorer.pools.values()} == {(8, 3, 0.5, 9.0, 120.0)}
     assert eval_reward(Config()) == ("arithmetic", Config().pieces()["reward.function"])
     assert "eval.reward" not in Config().pieces()
     # the run's config.yaml names them, and loads back equal
@@ -113,3 +120,11 @@ def test_config_refuses_unknown_and_reserved_extra_rewards_where_they_are_writte
         load_config(Config, None, ["reward.extra={reward_fns:brevity: .inf}"])
     with pytest.raises(ConfigError, match="eval.reward: unknown reward 'nope'"):
         load_config(Config, None, ["eval.reward=nope"])
+
+
+def test_a_reward_config_built_in_python_is_read_only_and_hashable():
+    config = RewardConfig(extra={"reward_fns:brevity": 0.1})
+    assert hash(config) == hash(RewardConfig(extra={"reward_fns:brevity": 0.1}))
+    assert config == RewardConfig(extra={"reward_fns:brevity": 0.1}) != RewardConfig()
+    with pytest.raises(TypeError):
+        config.extra["other"] = 1.0
