@@ -26,7 +26,7 @@ def test_scorer_scores_every_reward_and_shape_composes_them_with_their_weights()
     functions = {"correct": reward_fns.chaos, "reward_fns:brevity": reward_fns.brevity,
                  "batch": reward_fns.batch_lengths}
     config = RewardConfig(extra={"reward_fns:brevity": 0.5, "batch": 0.0}, format_weight=0.25,
-                          num_workers=1, timeout_s=0.5)
+                          num_workers=1, timeout_s=0.25)
     with RewardScorer(functions, config) as scorer:
         scored = scorer.score(texts, references, prompts=["p"] * 4)
     brevity = [-len(t) / 100 for t in texts]
