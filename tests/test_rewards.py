@@ -823,6 +823,9 @@ def test_pool_asks_for_the_arguments_the_reward_takes():
             pool.score(["a"], ["a"])
         with pytest.raises(ValueError, match=r"len\(completions\)=1 and len\(references\)=1 and len\(prompts\)=2"):
             pool.score(["a"], ["a"], prompts=["a", "b"])
+    with RewardPool(reward_fns.any_argument, num_workers=1) as pool:  # **kwargs: whichever were given
+        assert pool.score(["a"], ["a"]).rewards.tolist() == [2.0]
+        assert pool.score(["a"], ["a"], rows=[{}]).rewards.tolist() == [3.0]
     with pytest.raises(ValueError, match="reward_fn: reward .*takes seconds"):
         RewardPool(reward_fns.spin)  # (seconds): no reward argument
 

@@ -113,7 +113,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger reward would become i
 
 
 def item_deadline() -> float:
-    """``time.monotonic()`` by which ``RewardPool`` kills the item being scored; inf outside a worker.
+    """``time.monotonic()`` by which ``RewardPool`` kills the item (or a batched reward's chunk) being scored;
+    inf outside a worker.
 
     Measured from when the worker received the item, so slightly later than the parent's own clock:
     keep a margin.
@@ -199,12 +200,12 @@ def _as_rewards(values, n: int) -> list[float]:
     return out
 
 
-def _worker_main(conn, reward_fn: Callable, names: tuple[str, ...], batched: bool, parent_pid: int) -> None:
-    """Worker loop: recv ``(job, args, budget_s)``, send ``(job, ok, value)``.
+def _worker_main(conn, reward_fn: Callable, batched: bool, parent_pid: int) -> None:
+    """Worker loop: recv ``(job, arguments, budget_s)``, send ``(job, ok, value)``.
 
-    ``args`` holds one value per name in ``names`` (lists of the chunk's values when ``batched``); the
-    reward is called with them by name. ``value`` is the float reward (a list of floats, NaN for a bad
-    entry, when ``batched``) when ``ok``, else a short error string. A ``None`` message (or a closed
+    ``arguments`` maps the reward's argument names to one item's values (to lists of the chunk's values
+    when ``batched``); the reward is called with them by name. ``value`` is the float reward (a list of
+    floats, NaN for a bad entry, when ``batched``) when ``ok``, else a short error string. A ``None`` message (or a closed
     pipe) ends the loop, and so does SIGTERM, after unwinding the reward function. The worker is
     SIGKILLed when the thread that started it ends: a closed pipe is only noticed between items.
     """
@@ -237,11 +238,11 @@ def _worker_main(conn, reward_fn: Callable, names: tuple[str, ...], batched: boo
                 return
             if msg is None:
                 return
-            job, args, budget_s = msg
+            job, arguments, budget_s = msg
             _item_deadline = time.monotonic() + budget_s
             try:
-                value = reward_fn(**dict(zip(names, args)))
-                value = _as_rewards(value, len(args[0])) if batched else _as_reward(value)
+                value = reward_fn(**arguments)
+                value = _as_rewards(value, len(arguments["completions"])) if batched else _as_reward(value)
                 reply = (job, True, value)
             except _Terminated:
                 raise
@@ -272,14 +273,15 @@ def _clean(x):
     return x
 
 
-def _encode_job(job: int, args: tuple, budget_s: float) -> bytes | None:
+def _encode_job(job: int, arguments: dict, budget_s: float) -> bytes | None:
     """Pickle one job; lone surrogates are replaced if they cannot be sent; None if it cannot be pickled (a
     row holding an object that pickle refuses)."""
     try:
-        return pickle.dumps((job, args, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((job, arguments, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001
         try:
-            return pickle.dumps((job, tuple(_clean(a) for a in args), budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+            clean = {name: _clean(value) for name, value in arguments.items()}
+            return pickle.dumps((job, clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001
             return None
 
@@ -295,13 +297,22 @@ def _chunks(n: int, num_workers: int, batch_size: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def _takes_var_keyword(fn: Callable) -> bool:
+    """Whether `fn` (a class: its `__call__`) takes `**kwargs`."""
+    try:
+        signature = inspect.signature(fn.__call__ if inspect.isclass(fn) else fn)
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+
+
 class _Worker:
     """One spawned worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx, reward_fn: Callable, names: tuple[str, ...], batched: bool):
+    def __init__(self, ctx, reward_fn: Callable, batched: bool):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, reward_fn, names, batched, os.getpid()), daemon=True,
+            target=_worker_main, args=(child_conn, reward_fn, batched, os.getpid()), daemon=True,
             name="reward-worker",
         )
         self.process.start()
@@ -406,6 +417,7 @@ class RewardPool:
                 f"workers: {e}"
             ) from e
         self.arguments, self.batched = reward_arguments(reward_fn, "reward_fn")
+        self._takes_any = _takes_var_keyword(reward_fn)  # **kwargs: gets whichever arguments score() was given
         self.reward_fn = reward_fn
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -443,7 +455,7 @@ class RewardPool:
         self._spawner.shutdown()
 
     def _new_worker(self) -> _Worker:
-        return self._spawner.submit(_Worker, self._ctx, self.reward_fn, self.arguments, self.batched).result()
+        return self._spawner.submit(_Worker, self._ctx, self.reward_fn, self.batched).result()
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
@@ -461,6 +473,8 @@ class RewardPool:
         columns = {}
         for name in self.arguments:
             item = name[:-1] if self.batched else name  # "prompts" -> "prompt"
+            if given[item] is None and self._takes_any:
+                continue
             if given[item] is None:
                 raise ValueError(f"reward_fn takes {name!r} but score() was given no {item}s: pass {item}s=[...]")
             values = given[item]
@@ -525,10 +539,10 @@ class RewardPool:
                     timeout_s = self.timeout_s * len(items)
                     budget_s = min(timeout_s, batch_deadline - time.monotonic())
                     if self.batched:
-                        args = tuple(column[items.start:items.stop] for column in columns.values())
+                        arguments = {name: column[items.start:items.stop] for name, column in columns.items()}
                     else:
-                        args = tuple(column[items.start] for column in columns.values())
-                    payload = _encode_job(j, args, budget_s)
+                        arguments = {name: column[items.start] for name, column in columns.items()}
+                    payload = _encode_job(j, arguments, budget_s)
                     if payload is None:
                         errors += len(items)
                         continue
