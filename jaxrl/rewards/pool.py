@@ -4,8 +4,8 @@ Reward functions run model-generated text through parsers (sympy, regexes...)
 that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
 "spawn" processes (the parent runs multi-threaded JAX, so fork is unsafe):
 
-* the parent hands one item at a time to each idle worker and waits with
-  ``multiprocessing.connection.wait``;
+* the parent hands one item (of a batched reward: one chunk, see below) at a
+  time to each idle worker and waits with ``multiprocessing.connection.wait``;
 * a worker still busy ``timeout_s`` after its item was dispatched is killed and
   replaced, and the item scores 0 (a *timeout*). Killing is SIGTERM, which
   raises an exception in the worker so the reward code's ``finally`` blocks
