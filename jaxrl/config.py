@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 from jaxrl import registry
+from jaxrl.configlib import FrozenMapping
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
 from jaxrl.data.prompts import PromptFields
 from jaxrl.losses import LossConfig
@@ -138,18 +140,40 @@ class RLConfig:
                              f"got critic.model={self.critic.model!r}, critic.checkpoint={self.critic.checkpoint!r}")
 
 
+# Names a `reward.extra` entry cannot take: the shaping components' and the reward metrics' (reward/<name>).
+RESERVED_REWARD_NAMES = ("correct", "format", "overlong", "length", "total", "mean", "std", "timeouts", "errors",
+                         "seconds", "greedy_mean")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
+    """The rewards of RL (see jaxrl.rewards.scoring): the verifiable `function`, more rewards in `extra`, and
+    shaping, composed with weights into one reward per completion. Each reward runs in its own worker pool
+    (jaxrl.rewards.RewardPool) with the timeouts below."""
+
     # The verifiable reward: a registered name (jaxrl.registry kind `reward`: arithmetic, math, code, and those of
-    # modules under `imports:`) or `module:function`; it receives any of prompt, completion, reference, row.
+    # modules under `imports:`) or `module:function`. It takes any of prompt, completion, reference, row by name
+    # (per completion), or any of prompts, completions, references, rows (batched: lists; a class is instantiated
+    # once per worker, e.g. a reward model). Weight 1, logged as reward/correct, and what the held-out evaluation
+    # measures unless eval.reward names another.
     function: str = "arithmetic"
-    num_workers: int = _field(2, ge=1)
+    # More rewards, `{name or module:function: weight}` (e.g. {my_rewards:brevity: 0.1}), added to the total with
+    # their weights and logged as reward/<name>; weight 0 scores and logs one without training on it.
+    extra: Mapping[str, float] = FrozenMapping()
+    num_workers: int = _field(2, ge=1)  # worker processes of each reward (function and every extra)
     # Per completion; a stuck worker is killed and replaced. For `code`, all of a problem's test runs share it
     # (each ~20-50 ms to start, at most 5 s): runs that no longer fit score as failed, with a logged warning.
+    # A batched reward's chunk gets timeout_s x its number of completions.
     timeout_s: float = _field(2.0, gt=0)
     # Hard budget for scoring one whole batch (None: per-item timeouts only). Items unfinished when it runs
     # out score 0 as timeouts; set it above timeout_s + batch_size / num_workers x typical item time.
     batch_timeout_s: float | None = _field(None, gt=0)
+    # The largest chunk of completions a batched reward is called with (the batch is split evenly over the
+    # workers in chunks of at most this many).
+    batch_size: int = _field(64, gt=0)
+    # Seconds a reward worker may take to start: imports, warm_up, and a reward class's instance (a reward
+    # model loads here); not charged to any item's timeout.
+    startup_timeout_s: float = _field(60.0, gt=0)
     # Shaping, composed with the verifiable reward ("correct", weight 1) by jaxrl.rewards.compose; each
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
     format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
@@ -160,8 +184,12 @@ class RewardConfig:
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
     length_penalty_coef: float = _field(0.0, ge=0)
 
+    def __post_init__(self):  # a RewardConfig built in Python with a dict: read-only and hashable, as loaded
+        if not isinstance(self.extra, FrozenMapping):
+            object.__setattr__(self, "extra", FrozenMapping(self.extra))
+
     def component_weights(self) -> dict[str, float]:
-        """Name -> weight of every active reward component."""
+        """Name -> weight of every active reward component: `correct` (1), the shaping components, the extras."""
         weights = {"correct": 1.0}
         if self.format_weight:
             weights["format"] = self.format_weight
@@ -169,7 +197,16 @@ class RewardConfig:
             weights["overlong"] = self.overlong_weight
         if self.length_target is not None:
             weights["length"] = 1.0  # the coefficient is inside the penalty
+        weights.update(self.extra)
         return weights
+
+    def validate(self) -> None:
+        for name in self.extra:
+            if name in RESERVED_REWARD_NAMES:
+                raise registry.RegistryError(
+                    f"reward.extra.{name}: {name!r} is taken (by a shaping component or a reward metric: "
+                    f"{', '.join(RESERVED_REWARD_NAMES)}); name the reward by its module:function",
+                    field=f"reward.extra.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +265,9 @@ class EvalConfig:
     samples: int = _field(0, ge=0)  # completions per problem for pass@k / maj@k (0: greedy accuracy only)
     pass_k: tuple[int, ...] = _field((1,), gt=0)
     temperature: float = _field(1.0, gt=0)
+    # The verifiable reward the held-out problems are scored with (a registered name or module:function, like
+    # reward.function); None: reward.function. Reported as accuracy only for a reward registered binary=True.
+    reward: str | None = None
 
     def validate(self) -> None:
         if not self.samples and (self.pass_k != (1,) or self.temperature != 1.0):
@@ -330,9 +370,18 @@ class Config:
     plan: PlanConfig = _section(PlanConfig)
 
     def pieces(self) -> dict[str, registry.Entry]:
-        """Config field -> the registry entry it names: every named reward, objective, ratio and estimator."""
-        return {"reward.function": registry.resolve("reward", self.reward.function, "reward.function"),
-                **self.rl.loss.pieces("rl.loss")}
+        """Config field -> the registry entry it names: every named reward (`reward.function`, one
+        `reward.extra.<name>` per extra reward, `eval.reward` when set), objective, ratio and estimator."""
+        pieces = {"reward.function": registry.resolve("reward", self.reward.function, "reward.function")}
+        for name in self.reward.extra:
+            field = f"reward.extra.{name}"
+            try:
+                pieces[field] = registry.resolve("reward", name, field)
+            except registry.RegistryError as e:  # the field holds a colon: name it for the file:line lookup
+                raise registry.RegistryError(str(e), field=field) from None
+        if self.eval.reward is not None:
+            pieces["eval.reward"] = registry.resolve("reward", self.eval.reward, "eval.reward")
+        return {**pieces, **self.rl.loss.pieces("rl.loss")}
 
     def check_pieces(self) -> None:
         """Check what every named piece needs against the rest of the config (`configlib` imported `imports:`

@@ -2,7 +2,9 @@
 
 A schema is a tree of (frozen) dataclasses whose fields all have defaults and
 are typed as ``int``, ``float``, ``str``, ``bool``, ``X | None``,
-``Literal[...]``, ``tuple[T, ...]`` or a nested dataclass::
+``Literal[...]``, ``tuple[T, ...]``, ``dict[str, T]`` (or ``Mapping[str, T]``: free string keys, each value
+checked as a ``T`` with the field's bounds, stored as a read-only, hashable :class:`FrozenMapping` that keeps
+the keys' order) or a nested dataclass::
 
     @dataclass(frozen=True)
     class Optim:
@@ -21,11 +23,14 @@ Nothing is coerced silently (``"3"`` is not an int, ``true`` is not a number);
 the one exception is PyYAML's YAML 1.1 quirk that reads plain ``1e-3`` as a
 string: unquoted scalars and override values that ``float()`` accepts are taken
 for float fields, NaN for none. Bounds come from ``field(metadata={"gt"|"ge"|"lt"|"le": x})``
-and cross-field checks from an optional ``validate(self)`` method raising
+(element-wise for tuples and mappings) and cross-field checks from an optional ``validate(self)`` method raising
 ``ValueError``. A float is finite unless its bounds admit infinity explicitly (``le=math.inf``, or
 ``ge=-math.inf`` for -inf), and an int fits in 64 bits. A dataclass with a ``PRESETS`` class attribute (name -> mapping
 of field values) and a ``preset`` field is built from the named preset first;
-the section's explicitly set fields then apply on top, whatever their order. :func:`dump_yaml` writes
+the section's explicitly set fields then apply on top, whatever their order. A mapping field is written as a
+YAML mapping (``extra: {my_rewards:brevity: 0.1}``) or an override (``reward.extra={my_rewards:brevity: 0.1}``,
+or ``reward.extra.brevity=0.1`` for a key without dots); like a section, it merges into the field's present
+mapping key by key. :func:`dump_yaml` writes
 such a section as its preset (if set) plus only the fields that differ from what that preset alone, or the
 defaults, give (:func:`to_dict` keeps every field),
 so a dumped config loads back equal and a ``preset=`` override on it acts as on the original recipe.
@@ -53,7 +58,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml", "replace_path"]
+__all__ = ["ConfigError", "FrozenMapping", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml",
+           "replace_path"]
 
 T = TypeVar("T")
 
@@ -64,6 +70,41 @@ _BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="),
 
 class ConfigError(ValueError):
     """Bad configuration: the message names the dotted field path and, when known, 'file:line'."""
+
+
+class FrozenMapping(Mapping):
+    """The value of a ``dict[str, T]`` config field: a read-only mapping that keeps its keys' order, compares
+    equal to any mapping with the same items (order aside), hashes (so a frozen config stays hashable) and
+    pickles."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items=()):
+        object.__setattr__(self, "_items", dict(items))
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and self._items == dict(other.items())
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __reduce__(self):
+        return type(self), (self._items,)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 class _PlainStr(str):
@@ -448,7 +489,11 @@ def _merge(base, section: _Section, path: str):
             value = _merge(current, _Section({}, ""), sub)  # re-check nested defaults too
         else:
             value = current
-        _check_bounds(f, value, sub, entry.where if entry else "")
+        if isinstance(value, Mapping) and not isinstance(value, FrozenMapping) and \
+                _is_mapping_type(_unwrap_optional(hints[name])[0]):
+            value = FrozenMapping(value)  # a schema default given as a dict (default_factory=dict)
+        wheres = ({k: v.where for k, v in entry.items.items()} if isinstance(entry, _Section) else None)
+        _check_bounds(f, value, sub, entry.where if entry else "", wheres)
         changes[name] = value
     try:
         obj = dataclasses.replace(base, **changes)
@@ -493,8 +538,14 @@ def _leaf_where(section: _Section, field: str | None, path: str) -> str | None:
     if not field.startswith(prefix):
         return None
     node: _Section | _Value = section
-    for key in re.sub(r"\[\d+\]$", "", field[len(prefix):]).split("."):
-        if not isinstance(node, _Section) or key not in node.items:
+    rest = re.sub(r"\[\d+\]$", "", field[len(prefix):])
+    while rest:
+        if not isinstance(node, _Section):
+            return None
+        if rest in node.items:  # a whole key, dots and all (a mapping field's free keys: `pkg.mod:fn`)
+            return node.items[rest].where
+        key, _, rest = rest.partition(".")
+        if key not in node.items:
             return None
         node = node.items[key]
     return node.where
@@ -523,6 +574,8 @@ def _apply_preset(cls, base, section: _Section, path: str, hints):
 def _convert(tp, entry: _Value | _Section, path: str, current):
     """Convert a raw entry for a field of type ``tp`` (``current`` is its present value)."""
     inner, _ = _unwrap_optional(tp)
+    if isinstance(entry, _Section) and _is_mapping_type(inner):
+        return _convert_mapping(inner, entry, path, current)
     if isinstance(entry, _Section):
         if not _is_dataclass_type(inner):
             hint = ""
@@ -533,6 +586,20 @@ def _convert(tp, entry: _Value | _Section, path: str, current):
             raise _error(entry.where, path, f"expected {_describe(tp)}, got a mapping{hint}")
         return _merge(current if isinstance(current, inner) else inner(), entry, path)
     return _coerce(tp, entry.value, path, entry.where)
+
+
+def _convert_mapping(tp, entry: _Section, path: str, current) -> FrozenMapping:
+    """A ``dict[str, T]`` field from a raw section: ``current`` (the field's present mapping) updated key by key,
+    each value checked as a ``T``."""
+    value_type = typing.get_args(tp)[1]
+    items = dict(current) if isinstance(current, Mapping) else {}
+    for key, sub in entry.items.items():
+        sub_path = f"{path}.{key}"
+        if isinstance(sub, _Section):
+            raise _error(sub.where, sub_path, f"expected {_describe(value_type)}, got a mapping (a key with dots "
+                                              f"is written whole: {path}={{{key}.<rest>: <value>}})")
+        items[key] = _coerce(value_type, sub.value, sub_path, sub.where)
+    return FrozenMapping(items)
 
 
 def _coerce(tp, value, path: str, where: str):
@@ -587,10 +654,15 @@ def _scalar(tp, value, lenient: bool) -> tuple[bool, Any]:
     return False, value  # dataclass types etc.: a scalar where a section is expected
 
 
-def _check_bounds(f: dataclasses.Field, value, path: str, where: str) -> None:
+def _check_bounds(f: dataclasses.Field, value, path: str, where: str, wheres: Mapping[str, str] | None = None
+                  ) -> None:
     """Enforce ``metadata={"gt"|"ge"|"lt"|"le": bound}`` (element-wise for tuples). NaN is no value of any field,
     and a float is finite unless the bounds admit that infinity explicitly (``le=math.inf`` or
     ``ge=-math.inf``: e.g. a gradient-norm limit where inf means no clipping)."""
+    if isinstance(value, Mapping) and not _is_dataclass_instance(value):  # a dict[str, T] field: key by key
+        for key, v in value.items():
+            _check_bounds(f, v, f"{path}.{key}", wheres.get(key, where) if wheres else where)
+        return
     for v in value if isinstance(value, tuple) else (value,):
         if isinstance(v, float) and math.isnan(v):
             raise _error(where, path, "must be a number, got nan")
@@ -626,7 +698,17 @@ def _describe(tp) -> str:
         return "a list" if args[-1] is Ellipsis else f"a list of {len(args)} items"
     if _is_dataclass_type(inner):
         return f"a mapping of {inner.__name__} fields"
+    if _is_mapping_type(inner):
+        key, value = typing.get_args(inner)
+        if key is not str:
+            raise TypeError(f"unsupported config field type: {tp!r} (a mapping's keys are str)")
+        return f"a mapping of names to values ({_describe(value)} each)"
     raise TypeError(f"unsupported config field type: {tp!r}")
+
+
+def _is_mapping_type(tp) -> bool:
+    """``dict[K, V]`` or ``Mapping[K, V]``."""
+    return typing.get_origin(tp) in (dict, Mapping) and len(typing.get_args(tp)) == 2
 
 
 def _unwrap_optional(tp) -> tuple[Any, bool]:
@@ -702,6 +784,8 @@ def _dump(config, start, minimal: bool = False) -> dict:
 def _plain(value):
     if _is_dataclass_instance(value):
         return to_dict(value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value

@@ -113,3 +113,120 @@ def broken_dependency(completion: str, reference: str) -> float:
 
 
 broken_dependency.warm_up = _failing_warm_up
+
+
+# -- rewards that take other arguments than (completion, reference) --------------------------------------------
+
+
+def echo_prompt(prompt: str, completion: str) -> float:
+    """1.0 when the completion repeats the prompt."""
+    return float(completion == prompt)
+
+
+def completion_length(completion: str) -> float:
+    """The completion's length in characters: a reward of the completion alone."""
+    return float(len(completion))
+
+
+def row_bonus(completion: str, row: dict) -> float:
+    """The row's `bonus` field, plus 1 when the completion names the row's `answer` field."""
+    return float(row["bonus"]) + float(completion == str(row["answer"]))
+
+
+def every_argument(prompt, completion, reference, row) -> float:
+    """1.0 when the prompt + completion spell the reference and the row holds the prompt."""
+    return float(prompt + completion == reference and row["question"] == prompt)
+
+
+def any_argument(**arguments) -> float:
+    """How many of the four arguments were passed (a `**kwargs` reward gets all of them)."""
+    return float(len(arguments))
+
+
+def batch_lengths(prompts, completions):
+    """Batched: len(prompt) + len(completion) per item, as a numpy array; "hang" in a completion hangs the
+    chunk, "raise" raises, "short" returns one value too few, "dict" returns a mapping, "nan" is NaN for that
+    item alone and "text" is a string for that item alone."""
+    import numpy as np
+
+    if "hang" in completions:
+        while True:
+            time.sleep(1.0)
+    if "raise" in completions:
+        raise RuntimeError("the judge is down")
+    if "dict" in completions:
+        return {c: 1.0 for c in completions}
+    values = [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+    if "short" in completions:
+        return values[:-1]
+    values = [float("nan") if c == "nan" else "text" if c == "text" else v for c, v in zip(completions, values)]
+    if any(isinstance(v, str) for v in values):
+        return values
+    return np.asarray(values, dtype=np.float32)
+
+
+def batch_rows(completions, rows):
+    """Batched: each row's `bonus` field."""
+    return [float(row["bonus"]) for row in rows]
+
+
+class CountingJudge:
+    """A stateful batched reward, like a reward model loaded once per worker: its constructor appends its pid to
+    the file named by $REWARD_FNS_INSTANCES; each call appends "<pid> <number of chunks this instance scored>" to
+    $REWARD_FNS_INSTANCES.calls and scores every completion 1.0 ("hang" hangs)."""
+
+    def __init__(self):
+        with open(os.environ["REWARD_FNS_INSTANCES"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        self.chunks = 0
+
+    def __call__(self, completions, references):
+        self.chunks += 1
+        with open(os.environ["REWARD_FNS_INSTANCES"] + ".calls", "a") as f:
+            f.write(f"{os.getpid()} {self.chunks}\n")
+        if "hang" in completions:
+            while True:
+                time.sleep(1.0)
+        return [1.0] * len(completions)
+
+
+class BrokenJudge:
+    """A reward class whose constructor fails (a missing model file)."""
+
+    def __init__(self):
+        raise FileNotFoundError("reward_model.safetensors")
+
+    def __call__(self, completions):
+        return [0.0] * len(completions)
+
+
+def brevity(completion: str) -> float:
+    """An extra shaping reward: minus the completion's length in hundreds of characters."""
+    return -len(completion) / 100
+
+
+def batch_seconds_left(completions):
+    """Batched: the time the pool gives this chunk, as seen from the worker, for each item."""
+    from jaxrl.rewards import item_deadline
+
+    return [item_deadline() - time.monotonic()] * len(completions)
+
+
+class ByteModel:
+    """A tiny stateful reward model, loaded once per worker: a linear score of each completion's byte histogram,
+    with weights drawn from a fixed seed in the constructor (where a real one would read its checkpoint)."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.weights = np.random.default_rng(0).normal(size=256).astype(np.float32)  # [256]
+
+    def __call__(self, completions):
+        """completions: B strings -> [B] float32 scores."""
+        import numpy as np
+
+        features = np.zeros((len(completions), 256), np.float32)  # [B, 256] byte frequencies
+        for i, text in enumerate(completions):
+            data = np.frombuffer(text.encode(), np.uint8)
+            features[i] = np.bincount(data, minlength=256) / max(len(data), 1)
+        return features @ self.weights

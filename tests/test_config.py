@@ -144,6 +144,7 @@ def test_a_missing_config_asks_for_the_config_only(capsys, command):
 
 def _float_fields(cls, prefix=""):
     """Dotted paths of every float field (plain, optional or tuple entries) of a config dataclass tree."""
+    import collections.abc
     import dataclasses
     import typing
 
@@ -153,6 +154,9 @@ def _float_fields(cls, prefix=""):
         args = typing.get_args(tp)
         if dataclasses.is_dataclass(tp):
             yield from _float_fields(tp, path + ".")
+        elif typing.get_origin(tp) in (dict, collections.abc.Mapping):  # a mapping's values, under a free key
+            if args[1] is float:
+                yield f"{path}.any_key"
         elif tp is float or float in args or any(float in typing.get_args(a) for a in args):
             yield path
 

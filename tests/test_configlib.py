@@ -555,3 +555,83 @@ def test_config_files_have_limits(tmp_path):
     # PyYAML is pure Python: a document is refused once it holds 20,000 values, not after parsing all of it.
     flat = write(tmp_path, "model:\n  dims: [" + "1, " * 80_000 + "1]\n", "flat.yaml")
     raises(lambda: load_config(Root, flat), f"{flat}:2: invalid YAML: more than 20,000 values")
+
+
+# --------------------------------------------------------------------------- mapping fields
+
+
+@dataclass(frozen=True)
+class Weights:
+    extra: dict[str, float] = field(default_factory=dict, metadata={"ge": -1, "le": 10})
+    name: str = "w"
+
+
+@dataclass(frozen=True)
+class WithWeights:
+    weights: Weights = field(default_factory=Weights)
+    steps: dict[str, int] = field(default_factory=dict)
+
+
+def test_mapping_field_from_yaml_and_overrides(tmp_path):
+    from jaxrl.configlib import FrozenMapping
+
+    path = write(tmp_path, """
+        weights:
+          extra:
+            my_rewards:brevity: 0.1
+            pkg.mod:Judge: 2
+        """)
+    cfg = load_config(WithWeights, path)
+    assert cfg.weights.extra == {"my_rewards:brevity": 0.1, "pkg.mod:Judge": 2.0}
+    assert list(cfg.weights.extra) == ["my_rewards:brevity", "pkg.mod:Judge"]  # the file's order
+    assert type(cfg.weights.extra["pkg.mod:Judge"]) is float
+    assert isinstance(cfg.weights.extra, FrozenMapping)
+    with pytest.raises(TypeError):
+        cfg.weights.extra["x"] = 1.0  # read-only
+    assert hash(cfg) == hash(load_config(WithWeights, path))  # a frozen config stays hashable
+    # overrides merge into the mapping key by key, as into a section
+    cfg = load_config(WithWeights, path, ["weights.extra={my_rewards:brevity: 0.5, other:fn: -1}",
+                                          "weights.extra.plain=3e-1", "steps={a: 3}"])
+    assert cfg.weights.extra == {"my_rewards:brevity": 0.5, "pkg.mod:Judge": 2.0, "other:fn": -1.0, "plain": 0.3}
+    assert cfg.steps == {"a": 3}
+    inline = write(tmp_path, "weights: {extra: {my_rewards:brevity: 0.1}}\n", "inline.yaml")
+    assert load_config(WithWeights, inline).weights.extra == {"my_rewards:brevity": 0.1}
+    assert load_config(WithWeights).weights.extra == {}
+
+
+def test_mapping_field_round_trips_through_dump_yaml(tmp_path):
+    cfg = load_config(WithWeights, None, ["weights.extra={b:fn: 0.25, a.b:c: -1}", "steps={x: 1}"])
+    assert to_dict(cfg) == {"weights": {"extra": {"b:fn": 0.25, "a.b:c": -1.0}, "name": "w"}, "steps": {"x": 1}}
+    dumped = write(tmp_path, dump_yaml(cfg), "dumped.yaml")
+    again = load_config(WithWeights, dumped)
+    assert again == cfg and list(again.weights.extra) == ["b:fn", "a.b:c"]
+    assert from_dict(WithWeights, to_dict(cfg)) == cfg
+    assert replace_path(cfg, "weights.extra", {"c:d": 1}).weights.extra == {"b:fn": 0.25, "a.b:c": -1.0, "c:d": 1.0}
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_mapping_field_errors_name_the_key_and_line(tmp_path):
+    path = write(tmp_path, """
+        weights:
+          extra:
+            fine:fn: 0.5
+            bad:fn: lots
+        """)
+    raises(lambda: load_config(WithWeights, path), f"{path}:4: weights.extra.bad:fn: expected a float, got 'lots'")
+    path = write(tmp_path, """
+        weights:
+          extra:
+            fine:fn: 0.5
+            big:fn: 11
+        """, "bounds.yaml")
+    raises(lambda: load_config(WithWeights, path), f"{path}:4: weights.extra.big:fn: must be <= 10, got 11.0")
+    raises(lambda: load_config(WithWeights, None, ["weights.extra={a: .nan}"]),
+           "override 'weights.extra={a: .nan}': weights.extra.a: must be a number, got nan")
+    raises(lambda: load_config(WithWeights, None, ["weights.extra=0.1"]),
+           "weights.extra: expected a mapping of names to values (a float each), got 0.1")
+    raises(lambda: load_config(WithWeights, None, ["weights.extra.pkg.mod:fn=0.1"]),
+           "weights.extra.pkg: expected a float, got a mapping (a key with dots is written whole: "
+           "weights.extra={pkg.<rest>: <value>})")
+    raises(lambda: load_config(WithWeights, None, ["steps={a: 1.5}"]), "steps.a: expected an int, got 1.5")

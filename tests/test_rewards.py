@@ -796,3 +796,153 @@ def test_library_call_keeps_our_deadline():
     start = time.perf_counter()
     assert call_with_timeout(_library_then_sleep, (3.0,), 0.5, default="timed out") == "timed out"
     assert time.perf_counter() - start < 2.0
+
+
+# -- what a reward receives: per-item arguments by name, batched rewards, reward classes ------------------------
+
+
+@pytest.mark.parametrize("reward_fn,expected", [
+    (reward_fns.echo_prompt, [1.0, 0.0]),  # (prompt, completion)
+    (reward_fns.completion_length, [2.0, 3.0]),  # (completion)
+    (reward_fns.row_bonus, [1.5, 0.25]),  # (completion, row)
+    (reward_fns.every_argument, [0.0, 1.0]),  # (prompt, completion, reference, row)
+    (reward_fns.any_argument, [4.0, 4.0]),  # (**kwargs): all four
+])
+def test_pool_passes_each_reward_only_the_arguments_it_takes(reward_fn, expected):
+    prompts, completions, references = ["ab", "ab"], ["ab", "cde"], ["ab", "abcde"]
+    rows = [{"question": "x", "answer": "ab", "bonus": 0.5}, {"question": "ab", "answer": 7, "bonus": 0.25}]
+    with RewardPool(reward_fn, num_workers=1, timeout_s=5.0) as pool:
+        result = pool.score(completions, references, prompts=prompts, rows=rows)
+    assert (result.rewards.tolist(), result.timeouts, result.errors) == (expected, 0, 0)
+    assert pool.batched is False
+
+
+def test_pool_asks_for_the_arguments_the_reward_takes():
+    with RewardPool(reward_fns.echo_prompt, num_workers=1) as pool:
+        with pytest.raises(ValueError, match="takes 'prompt' but score.. was given no prompts"):
+            pool.score(["a"], ["a"])
+        with pytest.raises(ValueError, match=r"len\(completions\)=1 and len\(references\)=1 and len\(prompts\)=2"):
+            pool.score(["a"], ["a"], prompts=["a", "b"])
+    with RewardPool(reward_fns.any_argument, num_workers=1) as pool:  # **kwargs: whichever were given
+        assert pool.score(["a"], ["a"]).rewards.tolist() == [2.0]
+        assert pool.score(["a"], ["a"], rows=[{}]).rewards.tolist() == [3.0]
+    with pytest.raises(ValueError, match="reward_fn: reward .*takes seconds"):
+        RewardPool(reward_fns.spin)  # (seconds): no reward argument
+
+
+def test_batched_chunks_are_balanced_over_the_workers():
+    from jaxrl.rewards.pool import _chunks
+
+    assert _chunks(0, 2, 64) == []
+    assert [len(c) for c in _chunks(7, 2, 3)] == [1, 2, 2, 2]  # 3 chunks of <= 3, rounded up to 4 for 2 workers
+    assert [len(c) for c in _chunks(300, 2, 64)] == [50] * 6
+    assert [len(c) for c in _chunks(10, 4, 64)] == [2, 3, 2, 3]  # all items split over the workers
+    assert [len(c) for c in _chunks(3, 4, 64)] == [1, 1, 1]
+    for n, workers, size in [(1, 1, 1), (17, 3, 4), (128, 2, 64), (5, 1, 64)]:
+        chunks = _chunks(n, workers, size)
+        assert [i for c in chunks for i in c] == list(range(n)) and max(map(len, chunks)) <= size
+
+
+def test_pool_scores_a_batched_reward_in_chunks():
+    prompts = [f"p{i}" * i for i in range(7)]
+    completions = ["c" * (7 - i) for i in range(7)]
+    with RewardPool(reward_fns.batch_lengths, num_workers=2, timeout_s=5.0, batch_size=3) as pool:
+        assert (pool.batched, pool.arguments) == (True, ("prompts", "completions"))
+        result = pool.score(completions, [""] * 7, prompts=prompts)
+        assert result.rewards.tolist() == [len(p) + len(c) for p, c in zip(prompts, completions)]
+        assert (result.timeouts, result.errors) == (0, 0)
+        assert pool.score([], [], prompts=[]).rewards.shape == (0,)
+    with RewardPool(reward_fns.batch_rows, num_workers=1, timeout_s=5.0) as pool:
+        assert pool.score(["a", "b"], ["", ""], rows=[{"bonus": 2}, {"bonus": 0.5}]).rewards.tolist() == [2.0, 0.5]
+
+
+def test_batched_failures_count_per_item():
+    """A chunk that raises or returns the wrong length or type is an error for each of its items; a bad entry
+    (NaN, a string) is an error for its item alone; a hanging chunk is a timeout for each of its items, after
+    timeout_s x len(chunk). The pool goes on after each."""
+    prompts = ["p"] * 4
+    with RewardPool(reward_fns.batch_lengths, num_workers=2, timeout_s=0.25, batch_size=2) as pool:
+        for bad in ["raise", "short", "dict"]:
+            result = pool.score(["a", bad, "abc", "ab"], [""] * 4, prompts=prompts)
+            assert (result.rewards.tolist(), result.timeouts, result.errors) == ([0.0, 0.0, 4.0, 3.0], 0, 2), bad
+        for bad in ["nan", "text"]:
+            result = pool.score(["a", bad, "abc", "ab"], [""] * 4, prompts=prompts)
+            assert (result.rewards.tolist(), result.timeouts, result.errors) == ([2.0, 0.0, 4.0, 3.0], 0, 1), bad
+        t0 = time.monotonic()
+        result = pool.score(["a", "hang", "abc", "ab"], [""] * 4, prompts=prompts)
+        assert (result.rewards.tolist(), result.timeouts, result.errors) == ([0.0, 0.0, 4.0, 3.0], 2, 0)
+        assert 0.5 <= time.monotonic() - t0 < 5.0  # the chunk of 2 had 2 x 0.25 s
+        result = pool.score(["a", "b", "abc", "ab"], [""] * 4, prompts=prompts)  # the replaced worker scores
+        assert (result.rewards.tolist(), result.timeouts, result.errors) == ([2.0, 2.0, 4.0, 3.0], 0, 0)
+
+
+def test_batched_chunk_budget_is_timeout_times_its_length():
+    with RewardPool(reward_fns.batch_seconds_left, num_workers=1, timeout_s=0.75, batch_size=4) as pool:
+        left = pool.score(["a"] * 4, [""] * 4).rewards
+    assert ((left > 2.0) & (left <= 3.0)).all(), left
+    with RewardPool(reward_fns.batch_seconds_left, num_workers=1, timeout_s=5.0, batch_size=4,
+                    batch_timeout_s=2.0) as pool:
+        left = pool.score(["a"] * 4, [""] * 4).rewards
+    assert ((left > 1.0) & (left <= 2.0)).all(), left  # the batch budget is the tighter one
+
+
+def test_batched_hang_within_a_batch_budget():
+    with RewardPool(reward_fns.batch_lengths, num_workers=1, timeout_s=5.0, batch_size=2,
+                    batch_timeout_s=0.5) as pool:
+        assert pool.score(["a"], [""], prompts=[""]).rewards.tolist() == [1.0]  # the worker has started
+        t0 = time.monotonic()
+        result = pool.score(["hang", "a", "b", "c"], [""] * 4, prompts=[""] * 4)
+        assert time.monotonic() - t0 < 3.0  # about the batch budget; the hanging chunk alone had 2 x 5 s
+        assert (result.rewards.tolist(), result.timeouts, result.errors) == ([0.0] * 4, 4, 0)  # 2 running, 2 queued
+
+
+def test_a_small_reward_model_scores_batches_in_the_pool():
+    completions = [f"answer {i} " * (i + 1) for i in range(9)]
+    expected = reward_fns.ByteModel()(completions)  # [9] float32, in this process
+    with RewardPool(reward_fns.ByteModel, num_workers=2, timeout_s=5.0, batch_size=4) as pool:
+        result = pool.score(completions, [""] * 9)  # chunks of 2 or 3 items, on both workers
+    np.testing.assert_allclose(result.rewards, expected, rtol=1e-6)
+    assert (result.timeouts, result.errors) == (0, 0)
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_reward_class_is_instantiated_once_per_worker(tmp_path, monkeypatch):
+    instances = tmp_path / "instances"
+    calls = tmp_path / "instances.calls"
+    monkeypatch.setenv("REWARD_FNS_INSTANCES", str(instances))  # spawned workers inherit the environment
+
+    def chunks_by_pid() -> dict[int, list[int]]:  # pid -> the chunk numbers its instance counted, in order
+        out: dict[int, list[int]] = {}
+        for line in calls.read_text().splitlines():
+            pid, chunk = map(int, line.split())
+            out.setdefault(pid, []).append(chunk)
+        return out
+
+    with RewardPool(reward_fns.CountingJudge, num_workers=2, timeout_s=0.25, batch_size=2) as pool:
+        assert pool.batched
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # until both workers have scored (one may start after the other's chunks)
+            result = pool.score(["a"] * 8, [""] * 8)
+            assert (result.rewards.tolist(), result.timeouts, result.errors) == ([1.0] * 8, 0, 0)
+            if len(chunks_by_pid()) == 2:
+                break
+            time.sleep(0.05)
+        pids = [int(p) for p in instances.read_text().split()]
+        assert len(pids) == len(set(pids)) == 2  # one instance per worker, kept across calls
+        by_pid = chunks_by_pid()
+        assert sorted(by_pid) == sorted(pids)
+        for chunks in by_pid.values():
+            assert chunks == list(range(1, len(chunks) + 1))  # each instance counted its own chunks, across calls
+        assert sum(map(len, by_pid.values())) % 4 == 0  # 4 chunks of 2 per call
+        result = pool.score(["hang", "a"], ["", ""])  # one chunk per worker: the hanging one is replaced
+        assert (result.timeouts, result.errors) == (1, 0)
+        assert _wait_for(lambda: len(instances.read_text().split()) == 3, 30.0)  # the replacement's own instance
+    with RewardPool(reward_fns.BrokenJudge, num_workers=1) as pool:
+        with pytest.raises(RuntimeError, match="failed to start: FileNotFoundError: reward_model.safetensors"):
+            pool.score(["a"], [""])

@@ -1,5 +1,6 @@
 """Host-side verifiable rewards: math answer checking, sandboxed code execution, format and length
-shaping, and a worker pool with hard timeouts.
+shaping, a worker pool with hard timeouts, and the scoring of a batch with every reward a config names
+(`jaxrl.rewards.scoring`).
 
 Importing this package is cheap (no jax/flax; sympy is imported lazily the
 first time a symbolic comparison is needed).
@@ -13,6 +14,7 @@ from jaxrl.rewards.math import (
     normalize_answer,
 )
 from jaxrl.rewards.pool import RewardPool, RewardResult, item_deadline
+from jaxrl.rewards.scoring import RewardScorer, ScoredBatch
 from jaxrl.rewards.sandbox import CodeResult, SandboxLimits, code_reward, extract_code, run_program, run_tests
 from jaxrl.rewards.shaping import (
     ComposedRewards,
@@ -28,7 +30,9 @@ __all__ = [
     "ComposedRewards",
     "RewardPool",
     "RewardResult",
+    "RewardScorer",
     "SandboxLimits",
+    "ScoredBatch",
     "arithmetic_reward",
     "code_reward",
     "compose",

@@ -4,8 +4,8 @@ Reward functions run model-generated text through parsers (sympy, regexes...)
 that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
 "spawn" processes (the parent runs multi-threaded JAX, so fork is unsafe):
 
-* the parent hands one item at a time to each idle worker and waits with
-  ``multiprocessing.connection.wait``;
+* the parent hands one item (of a batched reward: one chunk, see below) at a
+  time to each idle worker and waits with ``multiprocessing.connection.wait``;
 * a worker still busy ``timeout_s`` after its item was dispatched is killed and
   replaced, and the item scores 0 (a *timeout*). Killing is SIGTERM, which
   raises an exception in the worker so the reward code's ``finally`` blocks
@@ -27,6 +27,37 @@ that can hang, blow up memory or crash. ``RewardPool`` runs them in separate
   so a batch made only of hanging items costs about one ``batch_timeout_s``
   instead of ``ceil(N / num_workers) * timeout_s``.
 
+What a reward function receives (see ``jaxrl.registry.reward_arguments``): a
+*per-item* reward takes any of ``prompt, completion, reference, row`` by name
+and returns a float; a *batched* reward takes any of ``prompts, completions,
+references, rows`` (lists) and returns a sequence of floats of the same length
+(a list, a tuple or a 1-D array). The pool passes only the arguments the
+function takes; prompts, completions and references arrive as ``str``, rows as
+the caller gave them (one data row each, e.g. a dict of its fields).
+
+A reward may be a class: one instance is created in each worker (without
+arguments) before the worker reports ready, outside every timeout, like
+``warm_up`` (its own ``warm_up``, if any, runs after it); the instance is then
+called with each item or chunk. Load a reward model or connect to a locally
+served judge in ``__init__``. A worker replaced after a timeout or a crash
+creates a new instance; a constructor that raises stops the pool.
+
+Batched rewards get *chunks*: the N items of a ``score()`` call are split into
+contiguous chunks of at most ``batch_size`` items, their number a multiple of
+``num_workers`` where N allows (so that every worker gets work), sizes
+differing by at most one. Each chunk is one job for one worker, with a budget
+of ``timeout_s x len(chunk)``: ``timeout_s`` keeps meaning seconds per
+completion whichever form the reward takes, so neither ``batch_size`` nor the
+number of workers changes whether a healthy batch fits its budget, and the
+worst case of a hanging reward stays ``ceil(N / num_workers) * timeout_s``
+without ``batch_timeout_s``, as for per-item rewards. Failures are counted per
+item: a chunk that times out counts each of its items as a timeout; one that
+raises, kills its worker, or returns something that is not a sequence of
+``len(chunk)`` entries counts each of its items as an error; an entry that is
+not a number, or not finite in float32, is an error for that item only (the
+chunk's other items keep their rewards). ``batch_timeout_s`` applies to the
+whole call as for per-item rewards.
+
 Workers start lazily on the first ``score()`` and are reused across calls.
 They die with the pool: the kernel SIGKILLs each one when the pool's own
 spawning thread ends (``close()``, or the parent dying in any way, SIGKILL
@@ -38,11 +69,15 @@ Example::
     with RewardPool(math_verify, num_workers=4, timeout_s=2.0) as pool:
         result = pool.score(completions, references)
         log(result.metrics())
+
+    with RewardPool(my_rewards.Judge, num_workers=1, timeout_s=0.5, batch_size=32) as pool:
+        result = pool.score(completions, references, prompts=prompts, rows=rows)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import multiprocessing
@@ -52,12 +87,13 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 
 import numpy as np
 
+from jaxrl.registry import reward_arguments
 from jaxrl.rewards.sandbox_child import die_with_parent
 
 __all__ = ["RewardPool", "RewardResult", "item_deadline"]
@@ -65,7 +101,8 @@ __all__ = ["RewardPool", "RewardResult", "item_deadline"]
 log = logging.getLogger(__name__)
 
 _READY = "ready"
-# Seconds a fresh worker may take to import its modules and report ready.
+_FAILED = "failed"  # a worker's startup (warm_up, a reward class's constructor) raised: ("failed", reason)
+# Seconds a fresh worker may take by default to import its modules, warm up (and create its reward instance).
 _STARTUP_TIMEOUT_S = 60.0
 # Seconds to wait for a terminated worker before escalating to SIGKILL.
 _KILL_GRACE_S = 0.2
@@ -76,7 +113,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger reward would become i
 
 
 def item_deadline() -> float:
-    """``time.monotonic()`` by which ``RewardPool`` kills the item being scored; inf outside a worker.
+    """``time.monotonic()`` by which ``RewardPool`` kills the item (or a batched reward's chunk) being scored;
+    inf outside a worker.
 
     Measured from when the worker received the item, so slightly later than the parent's own clock:
     keep a margin.
@@ -122,13 +160,54 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated
 
 
-def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) -> None:
-    """Worker loop: recv ``(index, completion, reference, budget_s)``, send ``(index, ok, value)``.
+def _reason(e: BaseException) -> str:
+    try:
+        return f"{type(e).__name__}: {e}"[:500]
+    except BaseException:  # noqa: BLE001 - a broken __str__
+        return type(e).__name__
 
-    ``value`` is the float reward when ``ok`` else a short error string. A
-    ``None`` message (or a closed pipe) ends the loop, and so does SIGTERM,
-    after unwinding the reward function. The worker is SIGKILLed when the thread
-    that started it ends: a closed pipe is only noticed between items.
+
+def _as_reward(value) -> float:
+    """A reward function's value as a float; TypeError / ValueError for a non-number or a non-finite one."""
+    if not isinstance(value, (numbers.Real, np.bool_)):  # np.bool_ is no numbers.Real
+        raise TypeError(f"reward_fn returned {type(value).__name__}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward_fn returned non-finite {value}")
+    return value
+
+
+def _as_rewards(values, n: int) -> list[float]:
+    """A batched reward's output as `n` floats, NaN for each entry that is not a number (the parent counts
+    those, and non-finite ones, as that item's error); TypeError / ValueError for anything but a sequence of
+    `n` entries (the whole chunk's error)."""
+    if hasattr(values, "__array__") and not isinstance(values, (str, bytes)):  # numpy, jax, torch (CPU)
+        array = np.asarray(values)
+        if array.ndim != 1 or array.dtype.kind not in "biuf":
+            raise TypeError(f"batched reward_fn returned an array of shape {array.shape} and dtype {array.dtype}; "
+                            f"expected {n} numbers")
+        values = array.tolist()
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Sequence):
+        raise TypeError(f"batched reward_fn returned {type(values).__name__}, not a sequence of {n} numbers")
+    if len(values) != n:
+        raise ValueError(f"batched reward_fn returned {len(values)} values for {n} items")
+    out = []
+    for v in values:
+        try:
+            out.append(_as_reward(v))
+        except (TypeError, ValueError, OverflowError):
+            out.append(math.nan)
+    return out
+
+
+def _worker_main(conn, reward_fn: Callable, batched: bool, parent_pid: int) -> None:
+    """Worker loop: recv ``(job, arguments, budget_s)``, send ``(job, ok, value)``.
+
+    ``arguments`` maps the reward's argument names to one item's values (to lists of the chunk's values
+    when ``batched``); the reward is called with them by name. ``value`` is the float reward (a list of
+    floats, NaN for a bad entry, when ``batched``) when ``ok``, else a short error string. A ``None`` message (or a closed
+    pipe) ends the loop, and so does SIGTERM, after unwinding the reward function. The worker is
+    SIGKILLed when the thread that started it ends: a closed pipe is only noticed between items.
     """
     global _item_deadline
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
@@ -140,9 +219,17 @@ def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) 
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         return
     try:
-        warm_up = getattr(reward_fn, "warm_up", None)
-        if callable(warm_up):  # before "ready": slow first imports are not charged to an item's timeout
-            warm_up()
+        try:  # before "ready": slow first imports, model loads are not charged to an item's timeout
+            if inspect.isclass(reward_fn):
+                reward_fn = reward_fn()  # one instance per worker
+            warm_up = getattr(reward_fn, "warm_up", None)
+            if callable(warm_up):
+                warm_up()
+        except _Terminated:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            conn.send((_FAILED, _reason(e)))
+            return
         conn.send(_READY)
         while True:
             try:
@@ -151,24 +238,16 @@ def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) 
                 return
             if msg is None:
                 return
-            index, completion, reference, budget_s = msg
+            job, arguments, budget_s = msg
             _item_deadline = time.monotonic() + budget_s
             try:
-                value = reward_fn(completion, reference)
-                if not isinstance(value, (numbers.Real, np.bool_)):  # np.bool_ is no numbers.Real
-                    raise TypeError(f"reward_fn returned {type(value).__name__}, not a number")
-                value = float(value)
-                if not math.isfinite(value):
-                    raise ValueError(f"reward_fn returned non-finite {value}")
-                reply = (index, True, value)
+                value = reward_fn(**arguments)
+                value = _as_rewards(value, len(arguments["completions"])) if batched else _as_reward(value)
+                reply = (job, True, value)
             except _Terminated:
                 raise
             except BaseException as e:  # noqa: BLE001 - includes SystemExit from reward_fn
-                try:
-                    reason = f"{type(e).__name__}: {e}"[:500]
-                except BaseException:  # noqa: BLE001 - a broken __str__
-                    reason = type(e).__name__
-                reply = (index, False, reason)
+                reply = (job, False, _reason(e))
             finally:
                 _item_deadline = math.inf
             conn.send(reply)
@@ -177,7 +256,7 @@ def _worker_main(conn, reward_fn: Callable[[str, str], float], parent_pid: int) 
 
 
 def _as_text(x) -> str:
-    """Coerce a completion/reference to ``str`` (bytes are decoded leniently)."""
+    """Coerce a completion/reference/prompt to ``str`` (bytes are decoded leniently)."""
     if isinstance(x, str):
         return x
     if isinstance(x, (bytes, bytearray)):
@@ -185,38 +264,68 @@ def _as_text(x) -> str:
     return str(x)
 
 
-def _encode_item(index: int, completion, reference, budget_s: float) -> bytes | None:
-    """Pickle one work item; lone surrogates are replaced if they cannot be sent."""
+def _clean(x):
+    """``x`` with lone surrogates replaced in its strings (also inside lists), so that it can be sent."""
+    if isinstance(x, str):
+        return x.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _encode_job(job: int, arguments: dict, budget_s: float) -> bytes | None:
+    """Pickle one job; lone surrogates are replaced if they cannot be sent; None if it cannot be pickled (a
+    row holding an object that pickle refuses)."""
     try:
-        item = (index, _as_text(completion), _as_text(reference))
+        return pickle.dumps((job, arguments, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001
         try:
-            return pickle.dumps((*item, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+            clean = {name: _clean(value) for name, value in arguments.items()}
+            return pickle.dumps((job, clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001
-            clean = [s.encode("utf-8", "replace").decode("utf-8") for s in item[1:]]
-            return pickle.dumps((index, *clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - e.g. a __str__ that raises
-        return None
+            return None
+
+
+def _chunks(n: int, num_workers: int, batch_size: int) -> list[range]:
+    """Contiguous chunks of `range(n)` for a batched reward: at most `batch_size` items each, their number a
+    multiple of `num_workers` (at most n), sizes differing by at most one."""
+    if n == 0:
+        return []
+    count = -(-n // batch_size)
+    count = min(n, -(-count // num_workers) * num_workers)
+    bounds = [n * i // count for i in range(count + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _takes_var_keyword(fn: Callable) -> bool:
+    """Whether `fn` (a class: its `__call__`) takes `**kwargs`."""
+    try:
+        signature = inspect.signature(fn.__call__ if inspect.isclass(fn) else fn)
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
 class _Worker:
     """One spawned worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx, reward_fn: Callable[[str, str], float]):
+    def __init__(self, ctx, reward_fn: Callable, batched: bool):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, reward_fn, os.getpid()), daemon=True, name="reward-worker"
+            target=_worker_main, args=(child_conn, reward_fn, batched, os.getpid()), daemon=True,
+            name="reward-worker",
         )
         self.process.start()
         child_conn.close()
         self.ready = False
         self.started = time.monotonic()
-        self.index: int | None = None  # item being scored, None when idle
+        self.job: int | None = None  # job being scored, None when idle
         self.deadline = math.inf
         self.killed = False
 
-    def dispatch(self, index: int, payload: bytes, timeout_s: float) -> None:
+    def dispatch(self, job: int, payload: bytes, timeout_s: float) -> None:
         self.conn.send_bytes(payload)
-        self.index, self.deadline = index, time.monotonic() + timeout_s
+        self.job, self.deadline = job, time.monotonic() + timeout_s
 
     def kill(self) -> None:
         """Stop the process (terminate, then kill) and release its resources. Idempotent."""
@@ -234,13 +343,16 @@ class _Worker:
 
 
 class RewardPool:
-    """Scores ``(completion, reference)`` pairs in worker processes with timeouts.
+    """Scores items ``(prompt, completion, reference, row)`` in worker processes with timeouts.
 
     Args:
-      reward_fn: picklable module-level function ``(completion, reference) -> float``.
+      reward_fn: picklable module-level function or class taking the reward arguments by name (see the
+        module docstring): per item, e.g. ``(completion, reference) -> float``, or batched, e.g.
+        ``(prompts, completions) -> [float, ...]``.
       num_workers: number of worker processes (>= 1).
       timeout_s: per-item wall-clock limit in seconds (> 0), counted from
-        dispatch to a ready worker. Without a batch budget, N items that all
+        dispatch to a ready worker (a batched reward's chunk gets ``timeout_s x
+        len(chunk)``). Without a batch budget, N items that all
         hang take about ``ceil(N / num_workers) * timeout_s`` (plus restarts).
       batch_timeout_s: optional hard budget in seconds (> 0) for a whole
         ``score()`` call. ``None`` (default) keeps pure per-item semantics.
@@ -260,15 +372,24 @@ class RewardPool:
         it >= ``timeout_s`` plus the usual time of a healthy batch (about
         ``N / num_workers`` x typical item time). 128 sub-millisecond
         ``math_verify`` items on 2 workers take well under 0.5 s.
+      batch_size: the largest chunk a batched reward is called with (>= 1); unused for per-item rewards.
+      startup_timeout_s: seconds a worker may take to start (imports, ``warm_up``, a reward class's
+        instance: a reward model loads here) before the pool gives up (> 0).
+
+    Attributes:
+      arguments: the reward arguments ``reward_fn`` takes, e.g. ``("completion", "reference")``.
+      batched: whether it takes lists (chunks) rather than one item.
     """
 
     def __init__(
         self,
-        reward_fn: Callable[[str, str], float],
+        reward_fn: Callable,
         *,
         num_workers: int = 2,
         timeout_s: float = 2.0,
         batch_timeout_s: float | None = None,
+        batch_size: int = 64,
+        startup_timeout_s: float = _STARTUP_TIMEOUT_S,
     ):
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
@@ -284,6 +405,10 @@ class RewardPool:
             raise ValueError(
                 f"batch_timeout_s must be None or a finite number > 0, got {batch_timeout_s!r}"
             )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if not isinstance(startup_timeout_s, (int, float)) or not 0 < startup_timeout_s < math.inf:
+            raise ValueError(f"startup_timeout_s must be a finite number > 0, got {startup_timeout_s!r}")
         try:
             pickle.dumps(reward_fn)
         except Exception as e:
@@ -291,10 +416,14 @@ class RewardPool:
                 f"reward_fn must be picklable (a module-level function) to run in spawned "
                 f"workers: {e}"
             ) from e
+        self.arguments, self.batched = reward_arguments(reward_fn, "reward_fn")
+        self._takes_any = _takes_var_keyword(reward_fn)  # **kwargs: gets whichever arguments score() was given
         self.reward_fn = reward_fn
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.batch_timeout_s = None if batch_timeout_s is None else float(batch_timeout_s)
+        self.batch_size = batch_size
+        self.startup_timeout_s = float(startup_timeout_s)
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         # Workers die with the thread that started them (see _worker_main): start them all on this one,
@@ -315,18 +444,18 @@ class RewardPool:
         self._closed = True
         workers, self._workers = self._workers, []
         for w in workers:
-            if w.index is None:
+            if w.job is None:
                 try:
                     w.conn.send(None)  # polite shutdown for idle workers
                 except (OSError, ValueError):
                     pass
         for w in workers:
-            w.process.join(0.5 if w.index is None else 0)
+            w.process.join(0.5 if w.job is None else 0)
             w.kill()
         self._spawner.shutdown()
 
     def _new_worker(self) -> _Worker:
-        return self._spawner.submit(_Worker, self._ctx, self.reward_fn).result()
+        return self._spawner.submit(_Worker, self._ctx, self.reward_fn, self.batched).result()
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
@@ -334,30 +463,47 @@ class RewardPool:
 
     # -- scoring ---------------------------------------------------------------
 
-    def score(self, completions: Sequence[str], references: Sequence[str]) -> RewardResult:
-        """Rewards for ``completions[i]`` against ``references[i]``.
+    def _columns(self, completions, references, prompts, rows) -> tuple[int, dict[str, list]]:
+        """(N, argument name -> its N values) for the arguments the reward takes, checked for length."""
+        given = {"completion": completions, "reference": references, "prompt": prompts, "row": rows}
+        lengths = {f"len({name}s)": len(v) for name, v in given.items() if v is not None}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"completions, references, prompts and rows must have the same length, got "
+                             f"{' and '.join(f'{k}={v}' for k, v in lengths.items())}")
+        columns = {}
+        for name in self.arguments:
+            item = name[:-1] if self.batched else name  # "prompts" -> "prompt"
+            if given[item] is None and self._takes_any:
+                continue
+            if given[item] is None:
+                raise ValueError(f"reward_fn takes {name!r} but score() was given no {item}s: pass {item}s=[...]")
+            values = given[item]
+            columns[name] = list(values) if item == "row" else [_as_text(v) for v in values]
+        return len(completions), columns
+
+    def score(self, completions: Sequence[str], references: Sequence[str], *,
+              prompts: Sequence[str] | None = None, rows: Sequence | None = None) -> RewardResult:
+        """Rewards for ``completions[i]`` against ``references[i]`` (and ``prompts[i]``, ``rows[i]``).
 
         Args:
           completions: N completion strings.
           references: N reference answers.
+          prompts: N prompts, needed when the reward takes ``prompt(s)``.
+          rows: N data rows (e.g. dicts of a JSONL row's fields), needed when the reward takes ``row(s)``.
 
         Returns:
           ``RewardResult`` with ``rewards`` of shape [N] (float32).
         """
         start = time.monotonic()
-        if len(completions) != len(references):
-            raise ValueError(
-                f"completions and references must have the same length, got "
-                f"len(completions)={len(completions)} and len(references)={len(references)}"
-            )
+        n, columns = self._columns(completions, references, prompts, rows)
         if self._closed:
             raise RuntimeError("RewardPool is closed")
-        n = len(completions)
+        jobs = _chunks(n, self.num_workers, self.batch_size) if self.batched else [range(i, i + 1) for i in range(n)]
         rewards = np.zeros(n, dtype=np.float32)
         timeouts = errors = 0
-        pending = deque(range(n))
+        pending = deque(range(len(jobs)))
         for w in list(self._workers):
-            if w.index is not None:  # left busy by an interrupted call: results are stale
+            if w.job is not None:  # left busy by an interrupted call: results are stale
                 self._replace(w)
         if n:
             while len(self._workers) < self.num_workers:
@@ -366,7 +512,7 @@ class RewardPool:
         # Hard deadline of the whole call (batch_timeout_s); set once a worker is ready.
         batch_deadline = math.inf
 
-        while pending or any(w.index is not None for w in self._workers):
+        while pending or any(w.job is not None for w in self._workers):
             if batch_deadline == math.inf and self.batch_timeout_s is not None:
                 if any(w.ready for w in self._workers):
                     batch_deadline = time.monotonic() + self.batch_timeout_s
@@ -374,38 +520,44 @@ class RewardPool:
                 # Budget spent: everything unfinished is a timeout. Signal every
                 # busy worker first so their kill grace periods overlap.
                 for w in self._workers:
-                    if w.index is not None and w.process.is_alive():
+                    if w.job is not None and w.process.is_alive():
                         w.process.terminate()
                 for w in list(self._workers):
-                    if w.index is not None:
-                        log.debug("reward item %d hit the batch deadline", w.index)
-                        timeouts += 1
+                    if w.job is not None:
+                        log.debug("reward items %s hit the batch deadline", jobs[w.job])
+                        timeouts += len(jobs[w.job])
                         self._replace(w)
-                timeouts += len(pending)
+                timeouts += sum(len(jobs[j]) for j in pending)
                 pending.clear()
                 break
 
             # 1. Hand out work to idle, ready workers.
             for w in self._workers:
-                while w.ready and w.index is None and pending:
-                    i = pending.popleft()
-                    budget_s = min(self.timeout_s, batch_deadline - time.monotonic())
-                    payload = _encode_item(i, completions[i], references[i], budget_s)
+                while w.ready and w.job is None and pending:
+                    j = pending.popleft()
+                    items = jobs[j]
+                    timeout_s = self.timeout_s * len(items)
+                    budget_s = min(timeout_s, batch_deadline - time.monotonic())
+                    if self.batched:
+                        arguments = {name: column[items.start:items.stop] for name, column in columns.items()}
+                    else:
+                        arguments = {name: column[items.start] for name, column in columns.items()}
+                    payload = _encode_job(j, arguments, budget_s)
                     if payload is None:
-                        errors += 1
+                        errors += len(items)
                         continue
                     try:
-                        w.dispatch(i, payload, self.timeout_s)
+                        w.dispatch(j, payload, timeout_s)
                     except (OSError, ValueError):  # worker died while idle: retry later
-                        pending.appendleft(i)
+                        pending.appendleft(j)
                         self._replace(w)
                         break
 
             # 2. Wait for a result, a death, a ready signal, or the next deadline.
-            waiting = [w for w in self._workers if w.index is not None or not w.ready]
+            waiting = [w for w in self._workers if w.job is not None or not w.ready]
             now = time.monotonic()
             deadlines = [
-                w.deadline if w.ready else w.started + _STARTUP_TIMEOUT_S for w in waiting
+                w.deadline if w.ready else w.started + self.startup_timeout_s for w in waiting
             ]
             if waiting:
                 deadlines.append(batch_deadline)
@@ -427,33 +579,45 @@ class RewardPool:
                 if not w.ready:
                     if msg == _READY:
                         w.ready = True
-                    elif died or now >= w.started + _STARTUP_TIMEOUT_S:
+                    elif died or isinstance(msg, tuple) or now >= w.started + self.startup_timeout_s:
                         w.process.join(_KILL_GRACE_S)
-                        reason = (
-                            f"exit code {w.process.exitcode}" if died else "startup timed out"
-                        )
                         self.close()
+                        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == _FAILED:
+                            raise RuntimeError(f"reward worker failed to start: {msg[1]} (raised by the reward "
+                                               "class's constructor or its warm_up)")
+                        reason = (f"exit code {w.process.exitcode}" if died else
+                                  f"startup took longer than {self.startup_timeout_s:g} s")
                         raise RuntimeError(
                             f"reward worker failed to start ({reason}); is reward_fn "
                             "importable in a fresh process, and is the main script guarded by "
                             "`if __name__ == '__main__':`?"
                         )
                     continue
-                if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == w.index:
+                if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == w.job:
                     _, ok, value = msg
-                    if ok and isinstance(value, float) and abs(value) <= _FLOAT32_MAX:  # nan fails too
-                        rewards[w.index] = value
+                    items = jobs[w.job]
+                    if not ok:
+                        errors += len(items)
+                        log.debug("reward items %s failed: %s", items, value)
                     else:
-                        errors += 1
-                        log.debug("reward item %d failed: %s", w.index, value)
-                    w.index, w.deadline = None, math.inf
+                        values = value if self.batched else [value]
+                        if not isinstance(values, list) or len(values) != len(items):
+                            errors += len(items)
+                        else:
+                            for i, v in zip(items, values):
+                                if isinstance(v, float) and abs(v) <= _FLOAT32_MAX:  # nan fails too
+                                    rewards[i] = v
+                                else:
+                                    errors += 1
+                                    log.debug("reward item %d: %r is not a finite float32", i, v)
+                    w.job, w.deadline = None, math.inf
                 elif died or msg is not None:
-                    errors += 1
-                    log.debug("reward worker died on item %d", w.index)
+                    errors += len(jobs[w.job])
+                    log.debug("reward worker died on items %s", jobs[w.job])
                     self._replace(w)
                 elif now >= w.deadline:
-                    timeouts += 1
-                    log.debug("reward item %d timed out after %.2fs", w.index, self.timeout_s)
+                    timeouts += len(jobs[w.job])
+                    log.debug("reward items %s timed out after %.2fs", jobs[w.job], self.timeout_s * len(jobs[w.job]))
                     self._replace(w)
 
         return RewardResult(rewards, timeouts, errors, time.monotonic() - start)
