@@ -52,6 +52,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from jaxrl.errors import JaxrlError
+
 __all__ = ["ConfigError", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml", "replace_path"]
 
 T = TypeVar("T")
@@ -61,8 +63,10 @@ _BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="),
            "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxrlError, ValueError):
     """Bad configuration: the message names the dotted field path and, when known, 'file:line'."""
+
+    kind = "configuration error"
 
 
 class _PlainStr(str):

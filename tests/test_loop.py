@@ -12,6 +12,8 @@ import jax
 import pytest
 
 from jaxrl import loop
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.loop import generate, rl
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.metrics import read_metrics
@@ -39,7 +41,7 @@ def test_a_failed_run_gives_sigterm_back_and_counts_warm_start_steps_from_1(tmp_
     def no_space(self, *args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(loop.Checkpointer, "save", no_space)
+    monkeypatch.setattr(Checkpointer, "save", no_space)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(OSError, match="No space"):
         loop.run(_config(tmp_path, "rl.steps=0", "sft.steps=3"))
@@ -51,7 +53,7 @@ def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeyp
     """`sampler/compiled_programs` is counted before the next step's rollout starts in the background, so it
     does not depend on how long the update takes. Here every update outlasts that rollout's sampling, and a
     stand-in counter counts sampler calls: one more each step."""
-    calls, real_sample, real_update = [], loop.sample, loop.rl_update
+    calls, real_sample, real_update = [], generate.sample, rl.rl_update
 
     def counted_sample(*args, **kwargs):
         out = real_sample(*args, **kwargs)
@@ -66,9 +68,9 @@ def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeyp
             time.sleep(0.01)  # the rollout of step + 1 has sampled
         return out
 
-    monkeypatch.setattr(loop, "sample", counted_sample)
-    monkeypatch.setattr(loop, "compiled_programs", lambda: len(calls))
-    monkeypatch.setattr(loop, "rl_update", slow_update)
+    monkeypatch.setattr(generate, "sample", counted_sample)
+    monkeypatch.setattr(rl, "compiled_programs", lambda: len(calls))
+    monkeypatch.setattr(rl, "rl_update", slow_update)
     loop.run(_config(tmp_path, "rl.overlap=true", "rl.steps=3", "sft.steps=0", "rl.minibatches=1",
                      "rl.micro_batches=1", "rl.sampling.max_new_tokens=8"))
     counts = [r["sampler/compiled_programs"] for r in read_metrics(tmp_path / "metrics.jsonl")
@@ -122,4 +124,4 @@ def test_sigterm_to_one_process_of_a_multi_process_run_stops_every_process_after
     for p, stderr in zip(processes, stderrs):
         assert p.returncode == 143, stderr[-3000:]
     stopped = {stderr.split("stopped by SIGTERM after RL step ")[1].split(";")[0] for stderr in stderrs}
-    assert len(stopped) == 1 and loop.Checkpointer.newest(out / "checkpoints") == int(stopped.pop())
+    assert len(stopped) == 1 and Checkpointer.newest(out / "checkpoints") == int(stopped.pop())

@@ -15,6 +15,8 @@ from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 from jaxrl import models
 from jaxrl.models.hf import CheckpointError
 from jaxrl import cli, configlib, loop
+from jaxrl.loop import setup
+from jaxrl.sharding import layout_from
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
 from jaxrl.convert import RUN_MODEL_FILE, load_policy
@@ -156,7 +158,7 @@ def test_refused_before_the_output_dir_changes(checkpoints_for_refusals, tmp_pat
 
 def test_stop_tokens_apply_to_a_trained_tokenizer(tmp_path):
     config = load_config(Config, "configs/default.yaml", [f"output_dir={tmp_path}", "tokenizer.stop_tokens=[',']"])
-    _, tokenizer, _ = loop._policy_and_tokenizer(config, ["1,2=3", "4,5=9"], loop.layout_from(config.mesh))
+    _, tokenizer, _ = setup.policy_and_tokenizer(config, ["1,2=3", "4,5=9"], layout_from(config.mesh))
     assert tokenizer.stop_ids == (tokenizer.eos_id, tokenizer.token_to_id(","))
 
 
