@@ -19,7 +19,7 @@ from jaxrl.loop import setup
 from jaxrl.sharding import layout_from
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
-from jaxrl.convert import RUN_MODEL_FILE, load_policy
+from jaxrl.policy_io import RUN_MODEL_FILE, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.tokenizer import load_tokenizer
 from test_hf_tokenizer import CHATML as CHATML_WITH_SYSTEM
@@ -280,3 +280,15 @@ def test_recipe_runs_on_a_tiny_checkpoint_of_its_family(recipe, tmp_path):
     exported = models.from_pretrained(tmp_path / "run" / "hf", progress=False)
     assert exported.config.family == models.load_config(tmp_path / "model").family
     assert {x.dtype for x in jax.tree.leaves(exported.params)} == {np.dtype("float32")}
+
+
+def test_eval_of_a_run_started_from_a_hugging_face_checkpoint(pretrained_run, capsys):
+    """`jaxrl eval` on such a run takes the tokenizer its saved config names (`pretrained.path`'s
+    tokenizer.json): the run keeps no tokenizer.model of its own."""
+    tmp, _, _ = pretrained_run
+    assert not (tmp / "run" / "tokenizer.model").exists()
+    code = cli.main(["eval", str(tmp / "run" / "config.yaml"), f"checkpoint={tmp / 'run'}", "eval.batch_size=8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    result = json.loads(captured.out[captured.out.index("{"):])
+    assert result["kind"] == "run" and result["step"] == 2 and 0 <= result["eval/accuracy"] <= 1
