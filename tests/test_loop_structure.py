@@ -27,10 +27,15 @@ def test_no_function_in_the_run_package_is_longer_than_80_lines():
     assert not too_long, too_long
 
 
-def test_no_function_in_the_run_package_uses_nonlocal():
+def test_no_function_in_the_run_package_uses_nonlocal_or_closes_over_the_loop():
+    """State passes through arguments and return values: no `nonlocal`/`global`, and no function defined
+    inside another (whose free names could be rebound by the enclosing loop)."""
     found = [f"{path.name}:{node.lineno}" for path in MODULES
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Nonlocal, ast.Global))]
     assert not found, found
+    nested = [f"{path.name}:{inner.lineno} {inner.name} in {fn.name}" for path in MODULES for fn in _functions(path)
+              for inner in ast.walk(fn) if inner is not fn and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert not nested, nested
 
 
 def test_the_package_docstring_names_the_path_from_the_cli_to_the_jitted_step():
