@@ -29,7 +29,8 @@ def test_every_input_error_is_a_jaxrl_error_and_still_a_value_error(error, kind)
     (DataError("data.train_file: x.jsonl:3: no field 'question'"), 2,
      "jaxrl: data error: data.train_file: x.jsonl:3: no field 'question'"),
     (RunConfigError("eval.batch_size = 3 rows do not split"), 2, "jaxrl: error: eval.batch_size = 3 rows do not split"),
-    (TrainingDiverged("RL steps 2..3: 2 consecutive steps"), 3, "jaxrl: training stopped: RL steps 2..3: 2 consecutive steps"),
+    (TrainingDiverged("RL steps 2..3: 2 consecutive steps"), 3,
+     "jaxrl: training stopped: RL steps 2..3: 2 consecutive steps"),
     (Preempted("stopped by SIGTERM after RL step 4"), 143, "jaxrl: stopped by SIGTERM after RL step 4"),
     (OSError("No space left on device"), 2, "jaxrl: error: No space left on device"),
 ])

@@ -33,8 +33,9 @@ def test_no_function_in_the_run_package_uses_nonlocal_or_closes_over_the_loop():
     found = [f"{path.name}:{node.lineno}" for path in MODULES
              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Nonlocal, ast.Global))]
     assert not found, found
-    nested = [f"{path.name}:{inner.lineno} {inner.name} in {fn.name}" for path in MODULES for fn in _functions(path)
-              for inner in ast.walk(fn) if inner is not fn and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nested = [f"{path.name}:{inner.lineno} {inner.name} in {fn.name}"
+              for path in MODULES for fn in _functions(path) for inner in ast.walk(fn)
+              if inner is not fn and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert not nested, nested
 
 

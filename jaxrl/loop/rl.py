@@ -418,8 +418,9 @@ def flush(s: LoopState) -> None:
 def save(ctx: RLContext, s: LoopState, step: int, phase: str) -> None:
     """Checkpoint `s` after RL `step`; a non-finite state is never saved (`TrainingDiverged`)."""
     flush(s)  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
+    arrays = resume.checkpoint_state(s.train, s.controls, s.ref_policy if ctx.keep_ref else None)
     try:
-        ctx.checkpointer.save(step, resume.checkpoint_state(s.train, s.controls, s.ref_policy if ctx.keep_ref else None),
+        ctx.checkpointer.save(step, arrays,
                               {"phase": phase, "rl_step": step, "prompt_iterator": s.iterator_after_step,
                                "totals": dict(s.totals), "consecutive_skips": s.consecutive_skips})
     except NonFiniteState as e:  # never a checkpoint to resume from
