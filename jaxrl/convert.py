@@ -117,9 +117,9 @@ def convert(
       dtype: parameter dtype of the output; default: the source's.
       base: for `to="hf"`, the HF directory the policy came from: its tokenizer, generation config and the
         non-architecture keys of its config.json (token ids, ...) are carried over. Default: the source itself
-        when it is an HF directory, the `hf_files/` a policy checkpoint kept from its HF origin, and nothing
-        for a run (whose config.yaml does not name one): pass it to get a directory `transformers` can
-        tokenize with. For `to="orbax"` from an HF source, the source's (or `base`'s) non-weight files are
+        when it is an HF directory, the `hf_files/` a policy checkpoint kept from its HF origin, and for a run
+        the checkpoint its config.yaml names as `pretrained.path` (nothing for a run trained from scratch:
+        pass it to get a directory `transformers` can tokenize with). For `to="orbax"` from an HF source, the source's (or `base`'s) non-weight files are
         kept in the checkpoint's `hf_files/`.
       max_shard_bytes: for `to="hf"`, the largest safetensors file before sharding.
       overwrite: replace a non-empty `dst`.
@@ -146,6 +146,8 @@ def convert(
         base = source.directory
     elif source.kind == "policy" and os.path.isfile(os.path.join(source.directory, HF_FILES_DIR, "config.json")):
         base = os.path.join(source.directory, HF_FILES_DIR)
+    elif source.kind == "run":
+        base = _run_base(source.config_file)
 
     policy = load_policy(source.directory, dtype=dtype, progress=progress)
     parent = os.path.dirname(dst)
@@ -163,6 +165,21 @@ def convert(
     leaves = jax.tree.leaves(policy.params)
     return ConvertResult(to, dst, source, int(sum(np.prod(x.shape, dtype=np.int64) for x in leaves)),
                          policy.config.param_dtype, _tree_bytes(dst))
+
+
+def _run_base(config_file: str) -> str | None:
+    """The HF files of the checkpoint a run started from (its config's `pretrained.path`: an HF directory, or
+    a policy checkpoint's `hf_files/`); None for a run trained from scratch or whose checkpoint is gone."""
+    data = configlib.load_yaml(config_file) or {}
+    pretrained = data.get("pretrained") if isinstance(data, dict) else None
+    path = pretrained.get("path") if isinstance(pretrained, dict) else None
+    if not path:
+        return None
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    for candidate in (path, os.path.join(path, HF_FILES_DIR)):
+        if os.path.isfile(os.path.join(candidate, "config.json")):
+            return candidate
+    return None
 
 
 def _check_destination(source: Source, dst: str, overwrite: bool) -> None:

@@ -292,3 +292,11 @@ def test_eval_of_a_run_started_from_a_hugging_face_checkpoint(pretrained_run, ca
     assert code == 0, captured.err[-2000:]
     result = json.loads(captured.out[captured.out.index("{"):])
     assert result["kind"] == "run" and result["step"] == 2 and 0 <= result["eval/accuracy"] <= 1
+
+
+def test_convert_of_a_run_started_from_a_hugging_face_checkpoint_keeps_its_tokenizer(pretrained_run, tmp_path):
+    """`jaxrl convert <run> out` without --base takes the HF files of the run's `pretrained.path`."""
+    tmp, _, _ = pretrained_run
+    assert cli.main(["convert", str(tmp / "run"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp / "qwen" / "tokenizer.json").read_bytes()
+    assert load_tokenizer(tmp_path / "hf").vocab_size == load_tokenizer(tmp / "qwen").vocab_size
