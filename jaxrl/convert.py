@@ -146,10 +146,10 @@ def convert(
         base = source.directory
     elif source.kind == "policy" and os.path.isfile(os.path.join(source.directory, HF_FILES_DIR, "config.json")):
         base = os.path.join(source.directory, HF_FILES_DIR)
-    elif source.kind == "run":
-        base = _run_base(source.config_file)
 
     policy = load_policy(source.directory, dtype=dtype, progress=progress)
+    if base is None and source.kind == "run":  # read after the model files, whose errors come first
+        base = _run_base(source.config_file)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
