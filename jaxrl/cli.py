@@ -9,50 +9,22 @@ import json
 import logging
 import sys
 
-from jaxrl.configlib import ConfigError, load_config
+from jaxrl.configlib import load_config
+from jaxrl.errors import JaxrlError
 
 
 def _load(path: str | None, overrides: list[str]):
-    """The run config of `path` with `overrides`, or None after printing the configuration error."""
+    """The run config of `path` with `overrides` (a `ConfigError`, a `JaxrlError`, names the field)."""
     from jaxrl.config import Config  # heavy imports (jax) only once the arguments parse
 
-    try:
-        return load_config(Config, path, overrides)
-    except ConfigError as e:
-        print(f"jaxrl: configuration error: {e}", file=sys.stderr)
-        return None
+    return load_config(Config, path, overrides)
 
 
 def _train(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
-    if config is None:
-        return 2
-    from jaxrl.data.prompts import DataError
-    from jaxrl.loop import Preempted, TrainingDiverged, run
-    from jaxrl.tokenizer import ChatTemplateError, TokenizerError
-    from jaxrl.models.hf import CheckpointError
+    from jaxrl.loop import run
 
-    try:
-        summary = run(config, config_source=args.config or "")
-    except DataError as e:
-        print(f"jaxrl: data error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"jaxrl: checkpoint error: {e}", file=sys.stderr)
-        return 2
-    except (TokenizerError, ChatTemplateError) as e:
-        print(f"jaxrl: tokenizer error: {e}", file=sys.stderr)
-        return 2
-    except Preempted as e:
-        print(f"jaxrl: {e}", file=sys.stderr)
-        return 143  # 128 + SIGTERM, as if the signal had ended the process
-    except TrainingDiverged as e:
-        print(f"jaxrl: training stopped: {e}", file=sys.stderr)
-        return 3
-    except (ValueError, OSError) as e:  # what devices, data or disk contradict: mesh size, an unwritable output_dir
-        logging.getLogger("jaxrl").debug("run stopped", exc_info=True)
-        print(f"jaxrl: error: {e}", file=sys.stderr)
-        return 2
+    summary = run(config, config_source=args.config or "")
     keys = ("accuracy_before_rl", "accuracy_after_rl", "accuracy_gain", "num_eval_problems",
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
@@ -68,41 +40,27 @@ def _eval(args: argparse.Namespace) -> int:
               "checkpoint or a Hugging Face directory)", file=sys.stderr)
         return 2
     config = _load(args.config, overrides)
-    if config is None:
-        return 2
-    from jaxrl.data.prompts import DataError
+    args.error_kind = "eval error"  # from here on, every error reads `jaxrl: eval error: ...`
     from jaxrl.loop import evaluate_checkpoint
-    from jaxrl.models.hf import CheckpointError
 
-    try:
-        result = evaluate_checkpoint(config, checkpoints[0])
-    except (CheckpointError, DataError, ValueError, OSError) as e:
-        print(f"jaxrl: eval error: {e}", file=sys.stderr)
-        return 2
+    result = evaluate_checkpoint(config, checkpoints[0])
     print(json.dumps(result, indent=2))
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
+    args.error_kind = "convert error"  # every error reads `jaxrl: convert error: ...`
     from jaxrl.convert import convert, parse_size  # heavy imports (jax, orbax) only once the arguments parse
-    from jaxrl.models.hf import CheckpointError
-    from jaxrl.models.hf_config import ConfigError as HFConfigError
 
-    try:
-        max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)
-        result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, base=args.base,
-                         max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty())
-    except (CheckpointError, ConfigError, HFConfigError, OSError, ValueError) as e:
-        print(f"jaxrl: convert error: {e}", file=sys.stderr)
-        return 2
+    max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)
+    result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, base=args.base,
+                     max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty())
     print(result.summary())
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
-    if config is None:
-        return 2
     from jaxrl.plan import command
 
     return command(config, args.config, args.overrides, topology=args.topology, slices=args.slices,
@@ -231,7 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jaxrl").setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    return _handle_errors(args)
+
+
+def _handle_errors(args: argparse.Namespace) -> int:
+    """Run the subcommand; a jaxrl error (bad input, a stopped run) becomes one line `jaxrl: <kind>: <message>`
+    on stderr and its exit code, where `kind` is the error's own (`data error`, ...) or the subcommand's
+    `args.error_kind` once it set one (`eval error`). Errors from outside jaxrl about the machine or the input
+    (a full disk, an unwritable output_dir, too few devices) print alike with exit code 2."""
+    try:
+        return args.handler(args)
+    except JaxrlError as e:
+        kind = getattr(args, "error_kind", None)
+        label = kind if kind is not None and e.exit_code == 2 else e.kind
+        print(f"jaxrl: {label}: {e}" if label else f"jaxrl: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ValueError, OSError) as e:
+        logging.getLogger("jaxrl").debug("%s stopped", args.command, exc_info=True)
+        print(f"jaxrl: {getattr(args, 'error_kind', None) or 'error'}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

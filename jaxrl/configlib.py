@@ -58,6 +58,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from jaxrl.errors import JaxrlError
+
 __all__ = ["ConfigError", "FrozenMapping", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml",
            "replace_path"]
 
@@ -68,8 +70,10 @@ _BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="),
            "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxrlError, ValueError):
     """Bad configuration: the message names the dotted field path and, when known, 'file:line'."""
+
+    kind = "configuration error"
 
 
 class FrozenMapping(Mapping):

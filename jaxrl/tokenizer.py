@@ -54,6 +54,7 @@ import sentencepiece as spm
 import tokenizers
 
 from jaxrl.models.safe_read import MAX_JSON_BYTES, loads_json, read_regular
+from jaxrl.errors import JaxrlError
 
 __all__ = [
     "BaseTokenizer", "ChatTemplateError", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "TokenizerError",
@@ -74,12 +75,16 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
                       "<|end_of_text|>", "</s>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(JaxrlError, ValueError):
     """A tokenizer file or setting that cannot be used; the message names the file (and key)."""
 
+    kind = "tokenizer error"
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(JaxrlError, ValueError):
     """A chat template that does not compile, fails to render, or rejects the messages (`raise_exception`)."""
+
+    kind = "tokenizer error"
 
 
 class _UnknownToken(TokenizerError):

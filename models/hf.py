@@ -32,6 +32,7 @@ from jaxrl.models.safe_read import open_regular, read_json_file
 from jaxrl.models.safetensors_io import (SafetensorsError, TensorInfo, TensorSpec, aligned_empty, read_header, read_tensor,
                                    write_file)
 from jaxrl.models.transformer import Policy, abstract
+from jaxrl.errors import JaxrlError
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ ParamPath = tuple[str | int, ...]
 ShardingFn = Callable[[ParamPath, tuple[int, ...]], Sharding]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(JaxrlError, ValueError):
     """A checkpoint that cannot be loaded exactly; the message names the file and the tensor."""
+
+    kind = "checkpoint error"
 
 
 def hf_name(path: ParamPath) -> str:

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from jaxrl.models.configs import Family, ModelConfig, RopeScaling
+from jaxrl.errors import JaxrlError
 
 ARCHITECTURES: dict[str, tuple[Family, str]] = {  # HF model_type -> (family, architecture class)
     "llama": ("llama", "LlamaForCausalLM"),
@@ -43,8 +44,10 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxrlError, ValueError):
     """An unsupported or inconsistent `config.json`; the message names the file and the key."""
+
+    kind = "checkpoint error"
 
 
 _REQUIRED = object()

@@ -1,5 +1,6 @@
 """The RL loop's orchestration (`jaxrl.loop`): what it records, when it refuses a config, what it gives back."""
 
+import logging
 import os
 import signal
 import socket
@@ -12,6 +13,8 @@ import jax
 import pytest
 
 from jaxrl import loop
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.loop import generate, progress, rl
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.metrics import read_metrics
@@ -39,7 +42,7 @@ def test_a_failed_run_gives_sigterm_back_and_counts_warm_start_steps_from_1(tmp_
     def no_space(self, *args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(loop.Checkpointer, "save", no_space)
+    monkeypatch.setattr(Checkpointer, "save", no_space)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(OSError, match="No space"):
         loop.run(_config(tmp_path, "rl.steps=0", "sft.steps=3"))
@@ -51,7 +54,7 @@ def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeyp
     """`sampler/compiled_programs` is counted before the next step's rollout starts in the background, so it
     does not depend on how long the update takes. Here every update outlasts that rollout's sampling, and a
     stand-in counter counts sampler calls: one more each step."""
-    calls, real_sample, real_update = [], loop.sample, loop.rl_update
+    calls, real_sample, real_update = [], generate.sample, rl.rl_update
 
     def counted_sample(*args, **kwargs):
         out = real_sample(*args, **kwargs)
@@ -66,9 +69,9 @@ def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeyp
             time.sleep(0.01)  # the rollout of step + 1 has sampled
         return out
 
-    monkeypatch.setattr(loop, "sample", counted_sample)
-    monkeypatch.setattr(loop, "compiled_programs", lambda: len(calls))
-    monkeypatch.setattr(loop, "rl_update", slow_update)
+    monkeypatch.setattr(generate, "sample", counted_sample)
+    monkeypatch.setattr(rl, "compiled_programs", lambda: len(calls))
+    monkeypatch.setattr(rl, "rl_update", slow_update)
     loop.run(_config(tmp_path, "rl.overlap=true", "rl.steps=3", "sft.steps=0", "rl.minibatches=1",
                      "rl.micro_batches=1", "rl.sampling.max_new_tokens=8"))
     counts = [r["sampler/compiled_programs"] for r in read_metrics(tmp_path / "metrics.jsonl")
@@ -122,4 +125,37 @@ def test_sigterm_to_one_process_of_a_multi_process_run_stops_every_process_after
     for p, stderr in zip(processes, stderrs):
         assert p.returncode == 143, stderr[-3000:]
     stopped = {stderr.split("stopped by SIGTERM after RL step ")[1].split(";")[0] for stderr in stderrs}
-    assert len(stopped) == 1 and loop.Checkpointer.newest(out / "checkpoints") == int(stopped.pop())
+    assert len(stopped) == 1 and Checkpointer.newest(out / "checkpoints") == int(stopped.pop())
+
+
+def test_without_warm_start_steps_there_is_no_warm_start_bar_or_wording(tmp_path, caplog, capsys):
+    """sft.steps=0: no warm-start progress, and the first evaluation is "before RL", not "after the warm
+    start". stderr is not a terminal here, so RL's progress is plain lines (no carriage-return redraws)."""
+    caplog.set_level(logging.INFO, logger="jaxrl")
+    loop.run(_config(tmp_path, "sft.steps=0", "rl.steps=2", "progress=true", "eval.every=0",
+                     "rl.sampling.max_new_tokens=8", "rl.minibatches=1", "rl.micro_batches=1"))
+    err = capsys.readouterr().err
+    assert "warm start" not in err and "\r" not in err
+    assert "held-out greedy accuracy before RL" in caplog.text and "after the warm start" not in caplog.text
+    lines = [line for line in err.splitlines() if line.startswith("RL: ")]
+    assert [line.split(" (")[0] for line in lines] == ["RL: 1/2", "RL: 2/2"] and "reward=" in lines[-1], err
+
+
+def test_log_lines_write_every_tenth_of_the_steps_or_interval_and_the_last():
+    """Progress for a log file (SLURM): a line when a tenth of the steps or `interval_s` passed, and the last."""
+    import io
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = progress.LogLines(range(1, 31), "RL", total=30, interval_s=30.0, file=out, clock=lambda: now[0])
+    for step in bar:
+        bar.set_postfix(reward=f"{step / 10:.2f}")
+        now[0] += 40.0 if step == 7 else 0.1  # step 7 is slow: a line after it for the time
+    assert out.getvalue().splitlines() == ["RL: 3/30 (10%) reward=0.30", "RL: 6/30 (20%) reward=0.60",
+                                           "RL: 7/30 (23%) reward=0.70", "RL: 10/30 (33%) reward=1.00",
+                                           "RL: 13/30 (43%) reward=1.30", "RL: 16/30 (53%) reward=1.60",
+                                           "RL: 19/30 (63%) reward=1.90", "RL: 22/30 (73%) reward=2.20",
+                                           "RL: 25/30 (83%) reward=2.50", "RL: 28/30 (93%) reward=2.80",
+                                           "RL: 30/30 (100%) reward=3.00"]
+    resumed = progress.LogLines(range(26, 31), "RL", total=30, initial=25, file=out)
+    assert resumed.every == 1  # a tenth of the steps still to run, at least one

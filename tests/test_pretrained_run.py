@@ -15,9 +15,11 @@ from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 from jaxrl import models
 from jaxrl.models.hf import CheckpointError
 from jaxrl import cli, configlib, loop
+from jaxrl.loop import setup
+from jaxrl.sharding import layout_from
 from jaxrl.config import Config
 from jaxrl.configlib import ConfigError, load_config
-from jaxrl.convert import RUN_MODEL_FILE, load_policy
+from jaxrl.policy_io import RUN_MODEL_FILE, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.tokenizer import load_tokenizer
 from test_hf_tokenizer import CHATML as CHATML_WITH_SYSTEM
@@ -156,7 +158,7 @@ def test_refused_before_the_output_dir_changes(checkpoints_for_refusals, tmp_pat
 
 def test_stop_tokens_apply_to_a_trained_tokenizer(tmp_path):
     config = load_config(Config, "configs/default.yaml", [f"output_dir={tmp_path}", "tokenizer.stop_tokens=[',']"])
-    _, tokenizer, _ = loop._policy_and_tokenizer(config, ["1,2=3", "4,5=9"], loop.layout_from(config.mesh))
+    _, tokenizer, _ = setup.policy_and_tokenizer(config, ["1,2=3", "4,5=9"], layout_from(config.mesh))
     assert tokenizer.stop_ids == (tokenizer.eos_id, tokenizer.token_to_id(","))
 
 
@@ -278,3 +280,23 @@ def test_recipe_runs_on_a_tiny_checkpoint_of_its_family(recipe, tmp_path):
     exported = models.from_pretrained(tmp_path / "run" / "hf", progress=False)
     assert exported.config.family == models.load_config(tmp_path / "model").family
     assert {x.dtype for x in jax.tree.leaves(exported.params)} == {np.dtype("float32")}
+
+
+def test_eval_of_a_run_started_from_a_hugging_face_checkpoint(pretrained_run, capsys):
+    """`jaxrl eval` on such a run takes the tokenizer its saved config names (`pretrained.path`'s
+    tokenizer.json): the run keeps no tokenizer.model of its own."""
+    tmp, _, _ = pretrained_run
+    assert not (tmp / "run" / "tokenizer.model").exists()
+    code = cli.main(["eval", str(tmp / "run" / "config.yaml"), f"checkpoint={tmp / 'run'}", "eval.batch_size=8"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    result = json.loads(captured.out[captured.out.index("{"):])
+    assert result["kind"] == "run" and result["step"] == 2 and 0 <= result["eval/accuracy"] <= 1
+
+
+def test_convert_of_a_run_started_from_a_hugging_face_checkpoint_keeps_its_tokenizer(pretrained_run, tmp_path):
+    """`jaxrl convert <run> out` without --base takes the HF files of the run's `pretrained.path`."""
+    tmp, _, _ = pretrained_run
+    assert cli.main(["convert", str(tmp / "run"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp / "qwen" / "tokenizer.json").read_bytes()
+    assert load_tokenizer(tmp_path / "hf").vocab_size == load_tokenizer(tmp / "qwen").vocab_size

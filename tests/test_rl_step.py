@@ -15,6 +15,9 @@ import pytest
 
 from jaxrl import models
 from jaxrl import loop, losses
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.loop import resume, rl, setup
+from jaxrl.train import make_optimizer
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.losses import Controls, LossConfig
@@ -173,7 +176,7 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
     returns the RL records and the (before, after) parameters of every update."""
     monkeypatch.setitem(loop.REWARD_FUNCTIONS, "arithmetic", reward_fns.length_parity)
     updates = []
-    real_update = loop.rl_update
+    real_update = rl.rl_update
 
     def spy(state, *args, **kwargs):
         before = jax.device_get(state.policy.params)  # on the host: the update donates (deletes) its input state
@@ -181,7 +184,7 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
         updates.append((before, jax.device_get(new_state.policy.params)))
         return new_state, metrics
 
-    monkeypatch.setattr(loop, "rl_update", spy)
+    monkeypatch.setattr(rl, "rl_update", spy)
     config = load_config(Config, "configs/default.yaml", [*TINY, f"output_dir={tmp_path}", *overrides])
     loop.run(config, loss=loss, advantage_fn=advantage_fn)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
@@ -415,9 +418,9 @@ def test_a_run_whose_update_turns_non_finite_never_saves_it(tmp_path, monkeypatc
 
     def nan_from_the_second_update(config):
         nan_after_first = optax.scale_by_schedule(lambda count: jnp.where(count >= 1, jnp.nan, 1.0))
-        return optax.chain(loop.make_optimizer(**dataclasses.asdict(config)), nan_after_first)
+        return optax.chain(make_optimizer(**dataclasses.asdict(config)), nan_after_first)
 
-    monkeypatch.setattr(loop, "optimizer_from", nan_from_the_second_update)
+    monkeypatch.setattr(setup, "optimizer_from", nan_from_the_second_update)
     with pytest.raises(loop.TrainingDiverged, match=r"RL steps 2..3: 2 consecutive steps with non-finite loss, "
                                                     r"gradients or updated parameters"):
         _run(tmp_path, monkeypatch, "sft.steps=1", "rl.steps=4", "rl.minibatches=1", "checkpoint.every=1",
@@ -439,7 +442,7 @@ def test_a_run_whose_update_turns_non_finite_never_saves_it(tmp_path, monkeypatc
 def test_a_non_finite_state_at_a_save_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch):
     """Whatever made it (a hook here plants a NaN in the state the run saves at step 2), a non-finite state is
     not saved: the run stops naming the step and the array, and checkpoint 1 stays the newest."""
-    real = loop._checkpoint_state
+    real = resume.checkpoint_state
 
     def nan_at_step_2(state, *args):
         saved = real(state, *args)
@@ -448,13 +451,13 @@ def test_a_non_finite_state_at_a_save_stops_the_run_without_a_checkpoint(tmp_pat
             saved["params"] = jax.tree.unflatten(treedef, [leaves[0].at[0, 0].set(jnp.nan), *leaves[1:]])
         return saved
 
-    monkeypatch.setattr(loop, "_checkpoint_state", nan_at_step_2)
+    monkeypatch.setattr(resume, "checkpoint_state", nan_at_step_2)
     with pytest.raises(loop.TrainingDiverged, match=r"^RL step 2: checkpoint 2 not saved: non-finite values in "
                                                     r"params\.embed_tokens\.weight\.value; the last checkpoint in .* "
                                                     r"holds the last good"):
         _run(tmp_path, monkeypatch, "sft.steps=1", "rl.steps=3", "rl.minibatches=1", "rl.micro_batches=1",
              "checkpoint.every=1")
-    assert loop.Checkpointer.newest(tmp_path / "checkpoints") == 1
+    assert Checkpointer.newest(tmp_path / "checkpoints") == 1
 
 
 def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, monkeypatch):
@@ -558,8 +561,8 @@ def test_a_separate_critic_network_is_loaded_from_its_checkpoint(tmp_path, monke
                                head_dim=8, intermediate_size=32)
     save_policy(models.init(small, 5), tmp_path / "critic")
     seen = []
-    real_init = loop.init_critic
-    monkeypatch.setattr(loop, "init_critic", lambda trunk: seen.append(trunk.config) or real_init(trunk))
+    real_init = setup.init_critic
+    monkeypatch.setattr(setup, "init_critic", lambda trunk: seen.append(trunk.config) or real_init(trunk))
     records, _ = _run(tmp_path / "run", monkeypatch, "rl.loss.preset=ppo", "rl.critic.model=separate",
                       f"rl.critic.checkpoint={tmp_path / 'critic'}")
     assert seen == [small]

@@ -197,7 +197,7 @@ CHECKPOINT = """
         print(shape, {s.data.shape for s in q.addressable_shards})
 
     # A Hugging Face directory loads straight onto a mesh, each tensor placed by its logical axes as it is read.
-    from jaxrl.convert import load_policy
+    from jaxrl.policy_io import load_policy
     hf_dir = directory + "-hf"
     models.save_pretrained(saved.policy, hf_dir, progress=False)
     layout = models.Layout(make_mesh(1, 4, 2))

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxrl import loop
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.loop import held_out, rl, rollout
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.metrics import read_metrics
@@ -32,7 +34,7 @@ def tiny_config(tmp_path, *extra):
 def test_rl_update_changes_parameters_with_finite_metrics(tmp_path):
     config = tiny_config(tmp_path)
     captured = {}
-    real_update = loop.rl_update
+    real_update = rl.rl_update
 
     def spy(state, *args, **kwargs):
         before = jax.device_get(state.policy.params)  # on the host: the update donates (deletes) its input state
@@ -40,11 +42,11 @@ def test_rl_update_changes_parameters_with_finite_metrics(tmp_path):
         captured.setdefault("pairs", []).append((before, jax.device_get(new_state.policy.params), metrics))
         return new_state, metrics
 
-    loop.rl_update = spy
+    rl.rl_update = spy
     try:
         summary = loop.run(config)
     finally:
-        loop.rl_update = real_update
+        rl.rl_update = real_update
 
     assert len(captured["pairs"]) == config.rl.steps
     for before, after, metrics in captured["pairs"]:
@@ -82,8 +84,8 @@ def test_reward_function_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tm
 def test_an_error_after_a_save_still_finishes_the_checkpoint(tmp_path, monkeypatch):
     """Checkpoints are written asynchronously: an exception (a failed evaluation, Ctrl-C) must not leave the
     save in flight to die with the interpreter."""
-    closed, real_close, real_evaluate = [], loop.Checkpointer.close, loop.evaluate
-    monkeypatch.setattr(loop.Checkpointer, "close", lambda self: (closed.append(True), real_close(self)))
+    closed, real_close, real_evaluate = [], Checkpointer.close, held_out.evaluate
+    monkeypatch.setattr(Checkpointer, "close", lambda self: (closed.append(True), real_close(self)))
 
     def evaluate_once(*args, **kwargs):  # the evaluation after the warm start, then the final one fails
         if closed or getattr(evaluate_once, "called", False):
@@ -91,12 +93,12 @@ def test_an_error_after_a_save_still_finishes_the_checkpoint(tmp_path, monkeypat
         evaluate_once.called = True
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "evaluate", evaluate_once)
+    monkeypatch.setattr(held_out, "evaluate", evaluate_once)
     with pytest.raises(RuntimeError, match="the final evaluation failed"):
         loop.run(tiny_config(tmp_path, "rl.steps=1", "eval.every=0", "checkpoint.every=1", "sft.steps=0",
                              "rl.sampling.max_new_tokens=8", "rl.minibatches=1", "rl.epochs=1", "task.num_eval=8"))
     assert closed == [True]
-    assert loop.Checkpointer.newest(tmp_path / "checkpoints") == 1
+    assert Checkpointer.newest(tmp_path / "checkpoints") == 1
 
 
 def test_same_seed_same_run(tmp_path):
@@ -117,14 +119,14 @@ def test_remax_baseline_is_the_greedy_completion_shaped_like_the_samples(tmp_pat
     """ReMax subtracts the greedy completion's reward from each sample's: with shaping on, both must be the
     shaped total (here DAPO's overlong ramp over all 40 tokens), or every sample carries the shaping as a bias."""
     calls = []
-    real = loop.shaped_rewards
+    real = rollout.shaped_rewards
 
     def spy(correct, texts, lengths, config):
         out = real(correct, texts, lengths, config)
         calls.append((np.asarray(correct), out.total))
         return out
 
-    monkeypatch.setattr(loop, "shaped_rewards", spy)
+    monkeypatch.setattr(rollout, "shaped_rewards", spy)
     config = tiny_config(tmp_path, "rl.steps=2", "eval.every=0", "checkpoint.every=0",
                          "rl.loss.advantage.estimator=remax", "reward.overlong_buffer=40")
     loop.run(config)

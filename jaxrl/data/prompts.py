@@ -52,6 +52,7 @@ import grain
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.rewards.math import extract_answer
 from jaxrl.models.safe_read import check_regular, json_depth, open_regular
+from jaxrl.errors import JaxrlError
 
 __all__ = ["DataError", "PromptFields", "PromptRecord", "ROLES", "SUPPORTED_SUFFIXES", "load_prompts", "prompt_batches",
            "template_fields"]
@@ -139,8 +140,10 @@ class PromptFields:
                 raise ValueError(f"reference_pattern {self.reference_pattern!r} needs a capture group")
 
 
-class DataError(ValueError):
+class DataError(JaxrlError, ValueError):
     """A prompt file that cannot be used as configured; the message names the file, line and field."""
+
+    kind = "data error"
 
 
 class _BadRow(ValueError):

@@ -25,10 +25,13 @@ from jax.sharding import AxisType, Mesh
 
 from jaxrl.plan.chips import CHIPS, ChipSpec, UnknownChipError, chip_for
 from jaxrl.sharding import MESH_AXES, make_mesh, mesh_shape
+from jaxrl.errors import JaxrlError
 
 
-class PlanError(ValueError):
+class PlanError(JaxrlError, ValueError):
     """Bad input to `jaxrl plan`: a one-line message for the CLI (exit 2). Whitespace runs become one space."""
+
+    kind = "plan error"
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))

@@ -1,0 +1,234 @@
+"""The run, as a table of contents: prepare (everything that can refuse the config) -> take over the output
+directory -> warm start -> held-out evaluation -> RL -> held-out evaluation -> HF export -> summary."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+
+from jaxrl import configlib, models, rewards
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import Config
+from jaxrl.errors import RunConfigError
+from jaxrl.losses import Term
+from jaxrl.losses.batch import AdvantageFn
+from jaxrl.loop import held_out, outputs, resume, rl, setup
+from jaxrl.loop.generate import Generator
+from jaxrl.loop.warm_start import warm_start
+from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl.sharding import (allgather, data_shard, initialize_distributed, is_primary, layout_from,
+                            wait_for_all_processes)
+
+log = logging.getLogger("jaxrl")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What `prepare` read and checked, before the output directory changes."""
+
+    train_problems: list
+    eval_problems: list
+    data_totals: dict[str, int]
+    mesh: jax.sharding.Mesh
+    policy: models.Policy
+    tokenizer: Any
+    tokenizer_file: str | None
+    generate: Generator
+    critic_trunk: models.Policy | None
+    resume_step: int | None = None  # with resume=true: the checkpoint the run goes on from
+    resumed: tuple | None = None  # `resume.restore`'s result for it
+    damaged: list[int] = dataclasses.field(default_factory=list)  # newer checkpoints that did not restore
+    before: dict[str, Any] | None = None  # the resumed run's evaluation after its warm start
+    checkpointer: Checkpointer | None = None  # opened to resume
+
+
+def run(config: Config, config_source: str = "", loss: Term | None = None,
+        advantage_fn: AdvantageFn | None = None, reward_fn: setup.RewardFn | None = None) -> dict[str, Any]:
+    """Train the recipe end to end; writes everything under `config.output_dir`.
+
+    `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
+    config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
+    `advantage_fn` replaces the estimator of `config.rl.loss.advantage` (see `losses.batch.AdvantageFn`).
+    `reward_fn` replaces `config.reward.function` for training and the held-out evaluation: a
+    `(completion, reference) -> float` function that spawned reward workers can import by name (defined in
+    an importable module, not in `__main__`). The shaping of `config.reward` is composed with it as usual.
+    With `rl.steps=0` the run saves the warm-started policy as checkpoint 0, so that later runs can start
+    from it with `pretrained.path=<output_dir> sft.steps=0` (the run's tokenizer comes with it).
+    """
+    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
+        raise RunConfigError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
+                             "model trains with the sentencepiece tokenizer trained for it")
+    wall_start = time.perf_counter()
+    initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
+    config = dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir))  # "~/runs/x"
+    resume_step = resume.resume_point(config) if config.resume else None
+    if resume_step is None:
+        outputs.check_fresh_output_dir(config)
+    t0 = time.perf_counter()
+    ready = prepare(config, resume_step)
+    metrics_path, checkpointer = take_output_dir(config, ready)
+    times = {"data_time_s": time.perf_counter() - t0}
+    if ready.resume_step is None:
+        checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"), keep=config.checkpoint.keep)
+    tensorboard_dir = os.path.join(config.output_dir, "tensorboard") if config.tensorboard and is_primary() else None
+    r = config.reward
+    with contextlib.ExitStack() as finally_close:
+        finally_close.callback(checkpointer.close)  # on an error too: an async save in flight is finished
+        writer = finally_close.enter_context(MetricsWriter(
+            metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"), tensorboard_dir))
+        pool = finally_close.enter_context(rewards.RewardPool(
+            reward_fn or setup.REWARD_FUNCTIONS[r.function], num_workers=r.num_workers, timeout_s=r.timeout_s,
+            batch_timeout_s=r.batch_timeout_s))
+        policy, before = warm_start_and_evaluate(config, ready, pool, writer, times)
+        t0 = time.perf_counter()
+        state, _, totals = rl.train(policy, config, ready.train_problems, ready.eval_problems, ready.generate, pool,
+                                    writer, checkpointer, loss, advantage_fn, ready.resume_step, ready.resumed,
+                                    ready.critic_trunk)
+        times["rl_time_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        after = held_out.final_evaluation(state.policy, ready.generate, ready.eval_problems, pool, config)
+        times["eval_after_time_s"] = time.perf_counter() - t0
+        writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
+    export_hf(config, state.policy)
+    times["total_wall_time_s"] = time.perf_counter() - wall_start
+    summary = make_summary(config, config_source, ready, state.policy, before, after, {**times, **totals})
+    if is_primary():
+        write_summary(config, summary)
+    return summary
+
+
+def prepare(config: Config, resume_step: int | None) -> Prepared:
+    """Everything that can refuse the config, before the output dir changes: data, mesh and batch sizes,
+    policy, tokenizer, prompt rendering, the critic and, to resume, the checkpoint itself."""
+    train_problems, eval_problems, corpus, data_totals = setup.load_task(config)
+    layout = layout_from(config.mesh)
+    mesh = layout.mesh
+    setup.check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
+    if config.rl.overlap and jax.process_count() > 1:
+        raise RunConfigError("rl.overlap runs the next step's sampling in a background thread, which is "
+                             f"single-process for now; this run has {jax.process_count()} processes: set "
+                             "rl.overlap=false")
+    policy, tokenizer, tokenizer_file = setup.policy_and_tokenizer(config, corpus, layout)
+    if tokenizer.vocab_size > policy.config.vocab_size:
+        raise RunConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                             f"{policy.config.vocab_size} embeddings")
+    generate = setup.make_generator(train_problems + eval_problems, tokenizer, mesh, config)
+    ready = Prepared(train_problems, eval_problems, data_totals, mesh, policy, tokenizer, tokenizer_file, generate,
+                     setup.critic_trunk(config, policy))
+    if resume_step is not None:  # the warm-started policy, its evaluation and the RL state come from the run
+        restore_run(config, ready)
+    return ready
+
+
+def restore_run(config: Config, ready: Prepared) -> None:
+    """Open the run's checkpoints and restore the newest intact one into `ready` (with the evaluation its
+    warm start recorded); the checkpointer is closed again if that fails."""
+    checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"), keep=config.checkpoint.keep)
+    state, controls = setup.rl_start(config, ready.policy, ready.critic_trunk)
+    keep_ref = config.rl.loss.needs_ref_logp or config.rl.loss.needs_full_kl
+    try:
+        ready.resume_step, ready.resumed, ready.damaged = resume.restore_newest_intact(
+            checkpointer, state, controls, state.policy if keep_ref else None)
+        ready.before = resume.recorded_evaluation(os.path.join(config.output_dir, "metrics.jsonl"))
+    except BaseException:
+        checkpointer.close()
+        raise
+    ready.checkpointer = checkpointer
+
+
+def take_output_dir(config: Config, ready: Prepared) -> tuple[str, Checkpointer | None]:
+    """Create or take over `output_dir`: damaged checkpoints set aside, this process's records emptied (fresh)
+    or cut back to the resumed step, and (primary process) the run's files written. Returns this process's
+    metrics path and the resumed run's checkpointer (None for a fresh run)."""
+    out, checkpointer = config.output_dir, ready.checkpointer
+    os.makedirs(out, exist_ok=True)
+    if ready.resume_step is not None and ready.damaged:  # out of the manager's sight, or it would not save below them
+        checkpointer.close()
+        if is_primary():
+            resume.set_aside(checkpointer.directory, ready.damaged, os.path.join(out, "damaged_checkpoints"))
+        wait_for_all_processes("jaxrl: damaged checkpoints set aside")
+        checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep,
+                                    intact=[ready.resume_step])
+    metrics_path = outputs.metrics_path(out)  # each process keeps its own records: process_<i>/ for i > 0
+    if ready.resume_step is None:
+        outputs.remove_records(metrics_path)
+    else:
+        resume.truncate_metrics(metrics_path, ready.resume_step)
+    if is_primary():
+        outputs.write_run_files(config, ready.policy, ready.tokenizer, ready.tokenizer_file,
+                                fresh=ready.resume_step is None)
+    return metrics_path, checkpointer
+
+
+def warm_start_and_evaluate(config: Config, ready: Prepared, pool, writer: MetricsWriter, times: dict
+                            ) -> tuple[models.Policy | None, dict[str, Any]]:
+    """The policy RL starts from and its held-out evaluation (recorded as RL step 0): warm-started and
+    evaluated now, or for a resumed run the evaluation it recorded (its policy comes from the checkpoint)."""
+    if ready.resume_step is not None:
+        log.info("resuming %s after RL step %d", config.output_dir, ready.resume_step)
+        return ready.policy, ready.before
+    t0 = time.perf_counter()
+    # only the policy is kept: the warm start's optimizer state would otherwise live through RL
+    policy = warm_start(ready.policy, config, ready.generate, ready.train_problems, writer).policy
+    times["sft_time_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    before = held_out.evaluate(policy, ready.generate, ready.eval_problems, pool, batch_size=config.eval.batch_size,
+                               max_new_tokens=config.rl.sampling.max_new_tokens)
+    times["eval_before_time_s"] = time.perf_counter() - t0
+    writer.write({"phase": "rl", "step": 0, **before})
+    when = "after the warm start" if config.sft.steps else "before RL"
+    log.info("held-out greedy accuracy %s: %.3f", when, before["eval/accuracy"])
+    return policy, before
+
+
+def export_hf(config: Config, policy: models.Policy) -> None:
+    """With `pretrained.export_hf`, the trained policy as an HF directory `<output_dir>/hf` (with the
+    pretrained checkpoint's tokenizer and config files)."""
+    if config.pretrained.path is None or not config.pretrained.export_hf:
+        return
+    exported = policy.replace(params=allgather(policy.params), layout=None)  # whole on each process
+    if is_primary():
+        models.save_pretrained(exported, os.path.join(config.output_dir, "hf"),
+                               base=setup.hf_files(config.pretrained.path), progress=config.progress)
+
+
+def make_summary(config: Config, config_source: str, ready: Prepared, policy: models.Policy, before: dict,
+                 after: dict, totals: dict) -> dict[str, Any]:
+    """`summary.json`: accuracy before and after RL, times and totals, the run's devices and its config."""
+    return {
+        "accuracy_before_rl": before["eval/accuracy"],
+        "accuracy_after_rl": after["eval/accuracy"],
+        "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
+        "num_eval_problems": len(ready.eval_problems),
+        "completion_length_before_rl": before["eval/completion_length"],
+        "completion_length_after_rl": after["eval/completion_length"],
+        **{k.removeprefix("eval/") + "_after_rl": v for k, v in after.items()
+           if k.startswith(("eval/pass@", "eval/maj@"))},
+        **totals,
+        **ready.data_totals,
+        "num_parameters": models.num_parameters(policy.config),
+        "devices": [str(d) for d in jax.devices()],
+        "processes": jax.process_count(),
+        "mesh": dict(ready.mesh.shape),
+        "seed": config.seed,
+        "config_source": config_source,
+        "config": configlib.to_dict(config),
+    }
+
+
+def write_summary(config: Config, summary: dict[str, Any]) -> None:
+    """`summary.json` and the reward/accuracy plot of `metrics.jsonl`."""
+    out = config.output_dir
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot_run(read_metrics(os.path.join(out, "metrics.jsonl")), os.path.join(out, "reward_accuracy.png"),
+             title=f"RL ({config.rl.loss.preset or 'custom'} loss) on "
+                   f"{os.path.basename(config.data.train_file or '') or 'arithmetic chains'} "
+                   f"(seed {config.seed})")

@@ -1,0 +1,92 @@
+"""The sampler's host-side front end: text prompts in, rollouts (global arrays) and decoded texts out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxrl.sampling import Rollout, SamplingConfig, sample, stop_sequences_for
+from jaxrl.sharding import data_shard, from_process_local, process_local, process_max
+from jaxrl.tokenizer import BaseTokenizer, encode_prompt, left_pad, round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One `Generator` call. In a multi-host run each process has the rows of its own prompts."""
+
+    rollout: Rollout  # global arrays on the mesh, rows split over the data axes
+    local: Rollout  # this process's rows of it, as numpy
+    texts: list[str]  # decoded completions of `local`
+
+
+@dataclasses.dataclass
+class Generator:
+    """Host-side wrapper around the jitted sampler: text prompts in, rollouts and texts out.
+
+    With `chat_template`, each prompt becomes the user turn (after an optional system turn) of the
+    tokenizer's chat template, ending with the assistant's generation prompt.
+    """
+
+    tokenizer: BaseTokenizer
+    prompt_lengths: tuple[int, ...]  # padded prompt lengths, ascending: one compiled program per length
+    mesh: jax.sharding.Mesh
+    chat_template: bool = False
+    system_prompt: str | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a completion
+
+    @classmethod
+    def fitting(cls, prompts: Sequence[str], tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
+                system_prompt: str | None = None, buckets: int = 4,
+                stop_strings: Sequence[str] = ()) -> "Generator":
+        """A generator whose longest padded prompt length fits every one of `prompts`, with `buckets`
+        lengths in all (`prompt_length_buckets`), stopping at `stop_strings` (`stop_sequences_for`)."""
+        generate = cls(tokenizer, (), mesh, chat_template, system_prompt,
+                       stop_sequences_for(tokenizer, stop_strings))
+        longest = max(map(len, map(generate.prompt_tokens, prompts)))
+        return dataclasses.replace(generate, prompt_lengths=prompt_length_buckets(longest, buckets))
+
+    @property
+    def prompt_length(self) -> int:
+        """The longest padded prompt length."""
+        return self.prompt_lengths[-1]
+
+    def render(self, prompt: str) -> str:
+        """The text the model sees for a task prompt."""
+        if not self.chat_template:
+            return prompt
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        return self.tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}])
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tokenizer, self.render(prompt), templated=self.chat_template)
+
+    def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
+                 temperature=None, group_size: int = 1) -> Generation:
+        """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once).
+
+        `prompts`: this process's prompts (all of them in a single-process run); every process passes as many.
+        """
+        rows = [self.prompt_tokens(p) for p in prompts]
+        longest = process_max(max(map(len, rows)))  # every process pads to the same length
+        length = next((n for n in self.prompt_lengths if n >= longest), self.prompt_length)
+        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, prompts)
+        parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if (len(prompts) * data_shard(self.mesh)[1]) % parallel:  # prompts do not split over the mesh: share
+            tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
+        tokens, valid = from_process_local((tokens, valid), self.mesh)
+        rollout = sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids, self.tokenizer.pad_id,
+                         temperature, group_size=group_size, stop_sequences=self.stop_sequences)
+        local = process_local(rollout, self.mesh)
+        return Generation(rollout, local, [self.tokenizer.decode(row) for row in local.completion_tokens])
+
+
+def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[int, ...]:
+    """Up to `count` padded prompt lengths, ascending: `longest` rounded up to `multiple`, then its successive
+    halves (rounded up likewise, distinct, at least `multiple`). A batch is padded to the shortest that fits
+    its longest prompt, so a run compiles at most `count` sampler programs per batch size while a batch of
+    short prompts does not pay for the longest prompt of the data set (at most 2x padding beyond a bucket)."""
+    lengths = {round_up(max(-(-longest // 2**i), 1), multiple) for i in range(count)}
+    return tuple(sorted(lengths))

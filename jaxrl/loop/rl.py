@@ -1,0 +1,460 @@
+"""The RL phase: `train` drives the steps; `rl_step` is one step as a function of an explicit `LoopState`.
+
+A step: take the rollout (sampled now, or by the background thread during the previous update with
+rl.overlap) -> score and gather its rewards -> `losses.prepare_batch` (advantages) -> start the next
+rollout in the background (rl.overlap) -> `rl_update` (the jitted `train.make_rl_step`, epochs x
+minibatches) -> controllers -> the step's record. `finish_step` then evaluates, writes the record and saves.
+Everything a step changes is in the `LoopState` it returns; `RLContext` holds what stays fixed for the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl import losses, models, rewards
+from jaxrl.checkpoint import Checkpointer, NonFiniteState
+from jaxrl.config import Config
+from jaxrl.data.batching import shuffled_batches
+from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
+from jaxrl.losses import Controls, Term
+from jaxrl.losses.batch import AdvantageFn
+from jaxrl.loop import held_out, progress, resume, setup
+from jaxrl.loop.generate import Generator
+from jaxrl.loop.rollout import RolloutResult, Sampler, references, rollout_batch, sample_rollout, shaped_rewards
+from jaxrl.metrics import MetricsWriter
+from jaxrl.sampling import FINISH_LENGTH, compiled_programs
+from jaxrl.sharding import allgather, data_shard, gather, process_max, shard_batch
+from jaxrl.train import TrainState, copy_arrays
+
+log = logging.getLogger("jaxrl")
+
+# Metrics of an optimizer update as a whole, averaged over the updates without weighting by their tokens.
+_PER_UPDATE_METRICS = ("skipped", "nonfinite_update", "grad_norm", "critic_grad_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """Everything an RL step changes (PureJaxRL's `runner_state`): `rl_step` returns the next one."""
+
+    train: TrainState
+    controls: Controls
+    ref_policy: models.Policy | None  # the KL terms' frozen reference (None: no KL term), in its own arrays
+    prompts: Any  # the prompt iterator (`shuffled_batches`); `next` advances it in place
+    iterator_after_step: dict  # the prompt iterator's state after the last finished step (checkpointed)
+    totals: dict[str, int]  # reward timeouts and errors, skipped updates: the run's counts so far
+    consecutive_skips: int = 0  # steps in a row whose updates were skipped (rl.max_consecutive_skips)
+    pending: Future | None = None  # the next step's rollout, being sampled (and scored) in the background
+    drawn_with: tuple = (None, None)  # the reference policy and temperature of the pending rollout's ref_logp
+    last_accuracy: float | None = None  # the latest periodic evaluation's, for the progress line
+
+
+@dataclasses.dataclass(frozen=True)
+class RLContext:
+    """What stays fixed over the RL phase: the config, the programs, the sampler, the sinks and the keys."""
+
+    config: Config
+    programs: setup.StepPrograms
+    sampler: Sampler
+    eval_problems: list
+    writer: MetricsWriter
+    checkpointer: Checkpointer
+    loss_key: jax.Array  # the loss's own draws (Clip-Cov), folded with the step
+    background: ThreadPoolExecutor | None  # the rollout thread of rl.overlap
+    preempted: "PreemptionFlag"
+
+    @property
+    def keep_ref(self) -> bool:
+        return self.config.rl.loss.needs_ref_logp or self.config.rl.loss.needs_full_kl
+
+
+def train(warm_policy, config: Config, train_problems, eval_problems, generate: Generator, pool, writer,
+          checkpointer, loss: Term | None = None, advantage_fn: AdvantageFn | None = None,
+          resume_step: int | None = None, resumed: tuple | None = None,
+          critic_trunk: models.Policy | None = None) -> tuple[TrainState, Controls, dict[str, int]]:
+    """RL from `warm_policy` (the warm-started policy), or from `resumed` (`resume.restore`'s result for
+    `resume_step`; `warm_policy` is then unused). Returns the final state, controls and totals.
+
+    The optimizer steps donate the state (`make_rl_step`), so `warm_policy`'s arrays are consumed, but for
+    `rl.overlap`, whose background rollout samples with the state that the update is given.
+    """
+    rl = config.rl
+    programs = setup.step_programs(config, loss, advantage_fn)
+    loop_state = initial_loop_state(config, warm_policy, train_problems, generate.mesh, resume_step, resumed,
+                                    critic_trunk)
+    preempted = PreemptionFlag()
+    seed_key = jax.random.key(config.seed)  # fold_in 2: sampling; 3: minibatch order; 4: sampled evaluation
+    sampler = Sampler(config, generate, pool, programs, jax.random.fold_in(seed_key, 2))
+    background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
+    ctx = RLContext(config, programs, sampler, eval_problems, writer, checkpointer,
+                    jax.random.fold_in(seed_key, 5), background, preempted)
+    first_step = 1 if resume_step is None else resume_step + 1
+    bar = progress.steps(first_step, rl.steps, "RL", config.progress)
+    try:
+        if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
+            save(ctx, loop_state, 0, "done")
+        for step in bar:
+            t0 = time.perf_counter()
+            loop_state, produced, from_background = take_rollout(ctx, loop_state, step)
+            # counted before the next step's rollout starts in the background (rl.overlap): its compilations
+            # would otherwise show here or not depending on how long this step's update takes
+            compiled = compiled_programs()
+            idle_s = time.perf_counter() - t0 if from_background else 0.0
+            loop_state, record = rl_step(ctx, loop_state, step, produced, compiled, idle_s)
+            loop_state = finish_step(ctx, loop_state, step, record, t0)
+            bar.set_postfix(progress_postfix(record, loop_state.last_accuracy))
+    finally:
+        if background is not None:
+            background.shutdown(wait=True, cancel_futures=True)
+        preempted.restore()  # also after an exception: the process gets its SIGTERM handler back
+    return loop_state.train, loop_state.controls, loop_state.totals
+
+
+def initial_loop_state(config: Config, warm_policy, train_problems, mesh, resume_step: int | None,
+                       resumed: tuple | None, critic_trunk: models.Policy | None) -> LoopState:
+    """The loop state before the first step to run: fresh from `warm_policy`, or `resumed` with its saved
+    prompt position, totals and skip count (checkpoints before 2026-11-23 did not save the last two)."""
+    rl = config.rl
+    keep_ref = rl.loss.needs_ref_logp or rl.loss.needs_full_kl
+    if resumed is None:
+        state, controls = setup.rl_start(config, warm_policy, critic_trunk)
+        ref_policy, metadata = copy_arrays(warm_policy) if keep_ref else None, {}
+    else:
+        state, controls, ref_policy, metadata = resumed
+    shard, shards = data_shard(mesh)  # rl.prompts_per_step splits over them: check_batch_sizes
+    prompts = shuffled_batches(train_problems, rl.prompts_per_step // shards, config.seed, (shard, shards))
+    if resume_step is not None:
+        prompts.set_state(metadata["prompt_iterator"])
+    totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0,
+              **metadata.get("totals", {})}
+    return LoopState(state, controls, ref_policy, prompts, prompts.get_state(), totals,
+                     metadata.get("consecutive_skips", 0))
+
+
+def take_rollout(ctx: RLContext, s: LoopState, step: int) -> tuple[LoopState, RolloutResult, bool]:
+    """Step's rollout: the background one (rl.overlap) once it is done, or one sampled now with the current
+    parameters (on-policy; scored in `rl_step`). Returns the state after it (`pending` taken, the prompt
+    iterator's position recorded), the rollout, and whether it came from the background."""
+    from_background = s.pending is not None
+    if from_background:
+        produced = s.pending.result()
+    else:
+        produced = sample_rollout(ctx.sampler, step, s.train, next(s.prompts), s.controls, s.ref_policy,
+                                  s.prompts, background=False)
+    s = dataclasses.replace(s, pending=None, iterator_after_step=s.prompts.get_state())
+    return s, produced, from_background
+
+
+def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, compiled: int,
+            idle_s: float) -> tuple[LoopState, dict[str, Any]]:
+    """One RL step on `produced`: rewards -> advantages -> (next rollout in the background) -> update ->
+    controllers. Returns the next loop state and the step's record (without evaluation and step time)."""
+    config, programs, mesh = ctx.config, ctx.programs, ctx.sampler.generate.mesh
+    rl = config.rl
+    record: dict[str, Any] = {"phase": "rl", "step": step}
+    batch = batch_for_update(ctx, s, produced)
+    texts, local = produced.generation.texts, produced.generation.local
+    t2 = time.perf_counter()
+    # on the host, while the device computes the log-probs (or already done in the background)
+    scored = produced.scored
+    if scored is None:
+        scored = ctx.sampler.pool.score(texts, references(produced.problems, rl.group_size))
+    t3 = time.perf_counter()
+    reward_s = produced.reward_s + (t3 - t2 if produced.scored is None else 0.0)  # (+ ReMax's baseline)
+    seen, scored, composed = gathered_rewards(produced, scored, config, programs.component_weights, mesh)
+    greedy_rewards = seen.get("greedy")
+    if greedy_rewards is not None:
+        record["reward/greedy_mean"] = float(greedy_rewards.mean())
+    jax.block_until_ready(batch)
+    t4 = time.perf_counter()
+    logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
+    train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step)
+    if ctx.background is not None and not flushes_after(config, step) and not ctx.preempted:
+        # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
+        # while it runs; its PPO ratio pi_theta / pi_old then spans the one-step lag
+        s = dataclasses.replace(s, drawn_with=(s.ref_policy, float(s.controls.temperature)), pending=(
+            ctx.background.submit(sample_rollout, ctx.sampler, step + 1, s.train, next(s.prompts), s.controls,
+                                  s.ref_policy, s.prompts, background=True)))
+    warming_up = programs.critic_warmup is not None and step <= rl.critic.warmup_steps
+    state, metrics = rl_update(s.train, programs.critic_warmup if warming_up else programs.update, train_batch,
+                               s.controls, config, step, s.ref_policy if rl.loss.needs_full_kl else None)
+    if warming_up:
+        record["train/critic_warmup"] = 1.0
+    s = dataclasses.replace(s, train=state)
+    if ctx.keep_ref and rl.ref_reset_every and step % rl.ref_reset_every == 0:
+        s = dataclasses.replace(s, ref_policy=copy_arrays(state.policy))  # KL now pulls towards the current policy
+    t5 = time.perf_counter()
+    s = after_update(s, metrics, scored, config, step)
+    record.update(step_record(s.controls, scored, composed, metrics, prep_metrics, seen, produced, rl.group_size))
+    record.update(step_timing(produced.sample_s, reward_s, logprobs_s=logprobs_s, update_s=t5 - t4, idle_s=idle_s))
+    record["sampler/compiled_programs"] = compiled
+    record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
+    return s, record
+
+
+def batch_for_update(ctx: RLContext, s: LoopState, produced: RolloutResult) -> dict:
+    """The rollout's log-probs (and values) under the models that sampled it: computed now (dispatched, the
+    device runs them while the host scores), or the background's, with `ref_logp` recomputed when the
+    reference policy or the temperature changed since it was drawn."""
+    programs, batch = ctx.programs, produced.batch
+    if batch is None:
+        return rollout_batch(s.train, programs.logprobs, programs.values, produced.generation.rollout,
+                             ctx.config.rl.loss, s.controls, s.ref_policy)
+    if "ref_logp" in batch and (s.drawn_with[0] is not s.ref_policy
+                                or s.drawn_with[1] != float(s.controls.temperature)):
+        # drawn before a reference reset or a temperature change: recomputed for the KL terms
+        batch = {**batch, "ref_logp": programs.logprobs(s.ref_policy, batch["tokens"], batch["prompt_valid"],
+                                                        s.controls.temperature)[0]}
+    return batch
+
+
+def gathered_rewards(produced: RolloutResult, scored: rewards.RewardResult, config: Config,
+                     component_weights: dict[str, float], mesh):
+    """`(seen, scored, composed)` of the whole batch, on every process: `seen` holds the verifiable rewards
+    `correct [B]`, completion `length [B]`, `truncated [B]`, the shaping `components` and ReMax's `greedy`
+    baseline (when drawn); `scored` the gathered reward outcome; `composed` the shaped rewards."""
+    texts, local = produced.generation.texts, produced.generation.local
+    composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
+    seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
+            "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
+    if produced.greedy_rewards is not None:
+        seen["greedy"] = produced.greedy_rewards
+    seen = gather(seen, mesh)  # every process's rows, on every process
+    scored = _gathered_result(scored, seen["correct"], mesh)
+    return seen, scored, rewards.compose(seen["components"], component_weights)
+
+
+def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh) -> rewards.RewardResult:
+    """The reward outcome of the whole batch: every process's rewards, timeouts and errors (processes that
+    scored the same rows, as when only `tensor` splits them, counted once)."""
+    if jax.process_count() == 1:
+        return local
+    counts = allgather(np.asarray([local.timeouts, local.errors], np.int64), stack=True)
+    duplicates = jax.process_count() // data_shard(mesh)[1]
+    timeouts, errors = (int(c) // duplicates for c in np.asarray(counts).reshape(-1, 2).sum(0))
+    return rewards.RewardResult(np.asarray(all_rewards, np.float32), timeouts, errors, local.seconds)
+
+
+def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedRewards, greedy_rewards, step: int
+                   ) -> tuple[dict, dict]:
+    """The update's batch: the rollout's arrays with `losses.prepare_batch`'s fields (advantages, ...) from
+    the shaped rewards `[B]` and their components `[B, K]`; and prepare_batch's metrics."""
+    mesh, weights = ctx.sampler.generate.mesh, ctx.programs.component_weights
+    component_array = np.stack([composed.components[k] for k in weights], axis=1)  # [B, K]
+    fields, prep_metrics = ctx.programs.prepare(
+        rewards=shard_batch(composed.total, mesh), completion_mask=batch["completion_mask"],
+        old_logp=batch["old_logp"], key=jax.random.fold_in(ctx.loss_key, step), truncated=batch["truncated"],
+        entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
+        values=batch.get("old_values"),
+        greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, mesh),
+        components=shard_batch(component_array, mesh))
+    train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
+                   if k in batch}
+    train_batch.update(fields)
+    return train_batch, prep_metrics
+
+
+def flushes_after(config: Config, step: int) -> bool:
+    """Whether the run waits for every rollout after `step`: its last step, or a checkpoint step."""
+    return step == config.rl.steps or bool(config.checkpoint.every and step % config.checkpoint.every == 0)
+
+
+def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
+    """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, metrics over
+    the steps: `losses.mean_over_updates`, weighted by each minibatch's loss tokens but for the updates' own
+    `_PER_UPDATE_METRICS`).
+
+    Minibatches are drawn by a permutation seeded by (seed, step).
+    """
+    size = batch["tokens"].shape[0] // config.rl.minibatches
+    order_rng = np.random.default_rng([config.seed, 3, step])
+    collected = []
+    for _ in range(config.rl.epochs):
+        order = order_rng.permutation(batch["tokens"].shape[0]) if config.rl.minibatches > 1 else None
+        for m in range(config.rl.minibatches):
+            minibatch = batch if order is None else jax.tree.map(
+                lambda x: x[order[m * size:(m + 1) * size]], batch)
+            state, metrics = step_fn(state, minibatch, controls, ref_policy)
+            collected.append(metrics)
+    # Averaged on the host: an eager program on the batch here (a token count, say) would run beside the
+    # in-flight update, and two programs with cross-process collectives in flight at once can deadlock
+    # multi-process CPU (gloo) runs.
+    collected = jax.device_get(collected)
+    tokens = [m.pop("loss_tokens") for m in collected]
+    per_update = [{k: v for k, v in m.items() if k in _PER_UPDATE_METRICS} for m in collected]
+    per_token = [{k: v for k, v in m.items() if k not in _PER_UPDATE_METRICS} for m in collected]
+    return state, jax.device_get({**losses.mean_over_updates(per_token, tokens),
+                                  **losses.mean_over_updates(per_update)})
+
+
+def after_update(s: LoopState, metrics: dict, scored: rewards.RewardResult, config: Config, step: int
+                 ) -> LoopState:
+    """The loop state after step's update: skip counts (raising `TrainingDiverged` after
+    `rl.max_consecutive_skips` skipped steps in a row), the controllers, the reward failure totals."""
+    rl, totals = config.rl, dict(s.totals)
+    consecutive_skips = s.consecutive_skips + 1 if metrics["skipped"] > 0 else 0
+    if metrics["skipped"] > 0:
+        totals["skipped_updates_total"] += int(round(metrics["skipped"] * rl.epochs * rl.minibatches))
+        log.warning("RL step %d: %.0f%% of its optimizer updates skipped (%.0f%% for an update that would "
+                    "make parameters non-finite, the rest for a non-finite loss or gradient; parameters "
+                    "left as they were)", step, 100 * metrics["skipped"], 100 * metrics.get("nonfinite_update", 0.0))
+        if consecutive_skips >= rl.max_consecutive_skips:
+            raise TrainingDiverged(
+                f"RL steps {step - consecutive_skips + 1}..{step}: {consecutive_skips} consecutive steps "
+                f"with non-finite loss, gradients or updated parameters (rl.max_consecutive_skips = "
+                f"{rl.max_consecutive_skips}); the last checkpoint in {config.output_dir}/checkpoints "
+                "holds the last good parameters (a checkpoint is never saved with non-finite arrays)")
+    controls = s.controls
+    if rl.loss.adaptive:
+        if "entropy" not in metrics:
+            raise RunConfigError("entropy_target / temperature_target_entropy need the loss to report an "
+                                 "'entropy' metric (losses.policy_term does)")
+        controls = update_controls(controls, float(metrics["entropy"]), rl.loss)
+    totals["reward_timeouts_total"] += scored.timeouts
+    totals["reward_errors_total"] += scored.errors
+    return dataclasses.replace(s, controls=controls, totals=totals, consecutive_skips=consecutive_skips)
+
+
+def update_controls(controls: Controls, entropy: float, config: losses.LossConfig) -> Controls:
+    """One step of the entropy-coefficient and temperature controllers, from the policy's mean entropy (a
+    non-finite one, as from a skipped step, leaves them as they are)."""
+    if not math.isfinite(entropy):
+        return controls
+    if config.entropy_target is not None:
+        controls = controls.replace(entropy_coef=losses.adapt_entropy_coef(
+            controls.entropy_coef, entropy, config.entropy_target, config.entropy_coef_step,
+            config.entropy_coef_max), entropy_below_target=np.float32(entropy < config.entropy_target))
+    if config.temperature_target_entropy is not None:
+        controls = controls.replace(temperature=losses.adapt_temperature(
+            controls.temperature, entropy, config.temperature_target_entropy, config.temperature_rate,
+            config.temperature_min, config.temperature_max))
+    return controls
+
+
+def step_record(controls: Controls, scored: rewards.RewardResult, composed: rewards.ComposedRewards,
+                metrics: dict, prep_metrics: dict, seen: dict, produced: RolloutResult, group_size: int
+                ) -> dict[str, Any]:
+    """The step's rewards, update and batch metrics, controls, completion statistics, dynamic sampling's
+    metrics and the per-prompt view, in the order metrics.jsonl has always had them."""
+    record = dict(scored.metrics())
+    if len(composed.components) > 1:
+        record.update(composed.metrics())
+    record.update({f"train/{k}": v for k, v in metrics.items()})
+    record.update({f"batch/{k}": v for k, v in jax.device_get(prep_metrics).items()})
+    record["train/entropy_coef"] = float(controls.entropy_coef)
+    if controls.entropy_below_target is not None:
+        record["train/entropy_bonus"] = float(controls.entropy_bonus)
+    record["train/temperature"] = float(controls.temperature)
+    record["train/completion_length"] = float(seen["length"].mean())
+    record["train/truncated_frac"] = float(seen["truncated"].mean())
+    record.update(produced.metrics)
+    record.update(prompt_statistics(np.asarray(seen["correct"]), group_size))
+    return record
+
+
+def prompt_statistics(correct: np.ndarray, group_size: int) -> dict[str, float]:
+    """Per-prompt view of a batch's `[P * G]` verifiable rewards: the share of prompts all of whose samples
+    were correct, none, and the mean over prompts of the per-prompt accuracy's spread (std)."""
+    groups = np.asarray(correct, np.float64).reshape(-1, group_size)
+    solved = groups > 0.5
+    return {"prompts/all_correct_frac": float(solved.all(axis=1).mean()),
+            "prompts/none_correct_frac": float((~solved).all(axis=1).mean()),
+            "prompts/reward_std_mean": float(groups.std(axis=1).mean())}
+
+
+def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: float,
+                idle_s: float) -> dict[str, float]:
+    """Seconds per phase of an RL step (`time/*`, wall clock, written to timings.jsonl).
+
+    sample_s, reward_s, logprobs_s: sampling, scoring and the wait for the log-probs (and values) after
+    scoring (with rl.overlap all three ran in the background during the previous step's update); update_s:
+    the optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
+    """
+    return {"time/sample_s": sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
+            "time/update_s": update_s, "time/idle_s": idle_s}
+
+
+def finish_step(ctx: RLContext, s: LoopState, step: int, record: dict[str, Any], t0: float) -> LoopState:
+    """After step's update: the periodic evaluation, the record (with the step's wall time from `t0`), the
+    checkpoint (every `checkpoint.every` steps, the last, or on SIGTERM: then `Preempted` is raised)."""
+    config = ctx.config
+    if config.eval.every and step % config.eval.every == 0 and step != config.rl.steps:
+        flush(s)
+        record.update(held_out.evaluate(s.train.policy, ctx.sampler.generate, ctx.eval_problems, ctx.sampler.pool,
+                                        batch_size=config.eval.batch_size,
+                                        max_new_tokens=config.rl.sampling.max_new_tokens))
+        s = dataclasses.replace(s, last_accuracy=record["eval/accuracy"])
+    record["time/step_s"] = time.perf_counter() - t0
+    ctx.writer.write(record)
+    # every process stops after the same step: the signal may reach them during different steps
+    stopping = bool(process_max(int(bool(ctx.preempted))))
+    if step == config.rl.steps:
+        save(ctx, s, step, "done")
+    elif flushes_after(config, step) or stopping:
+        save(ctx, s, step, "rl")
+    if stopping:
+        ctx.checkpointer.wait()
+        ctx.preempted.restore()
+        raise Preempted(f"stopped by SIGTERM after RL step {step}; its checkpoint is in "
+                        f"{ctx.checkpointer.directory}: run again with resume=true to go on")
+    return s
+
+
+def flush(s: LoopState) -> None:
+    """Wait for the background rollout (evaluation and checkpoints share the reward pool / need it done)."""
+    if s.pending is not None:
+        s.pending.result()
+
+
+def save(ctx: RLContext, s: LoopState, step: int, phase: str) -> None:
+    """Checkpoint `s` after RL `step`; a non-finite state is never saved (`TrainingDiverged`)."""
+    flush(s)  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
+    arrays = resume.checkpoint_state(s.train, s.controls, s.ref_policy if ctx.keep_ref else None)
+    try:
+        ctx.checkpointer.save(step, arrays,
+                              {"phase": phase, "rl_step": step, "prompt_iterator": s.iterator_after_step,
+                               "totals": dict(s.totals), "consecutive_skips": s.consecutive_skips})
+    except NonFiniteState as e:  # never a checkpoint to resume from
+        raise TrainingDiverged(f"RL step {step}: {e}; the last checkpoint in {ctx.checkpointer.directory} holds "
+                               "the last good parameters") from None
+
+
+def progress_postfix(record: dict[str, Any], last_accuracy: float | None) -> dict[str, str]:
+    """The progress line's values: reward, entropy, the latest evaluation and the sample/reward/update times."""
+    postfix = {"reward": f"{record['reward/mean']:.2f}"}
+    if "train/entropy" in record:
+        postfix["entropy"] = f"{record['train/entropy']:.3f}"
+    if last_accuracy is not None:
+        postfix["eval_acc"] = f"{last_accuracy:.2f}"
+    postfix["s/r/u"] = f"{record['time/sample_s']:.2f}/{record['time/reward_s']:.2f}/{record['time/update_s']:.2f}s"
+    return postfix
+
+
+class PreemptionFlag:
+    """True once SIGTERM arrived (installed only in the main thread; `restore` puts the old handler back)."""
+
+    def __init__(self):
+        self._set, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        del signum, frame
+        self._set = True
+
+    def __bool__(self) -> bool:
+        return self._set
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None

@@ -1,0 +1,190 @@
+"""One RL step's rollout: sample completions (more rounds with dynamic sampling, ReMax's greedy baseline),
+score them, and dispatch the log-probs (and values) of the models that sampled them (`rollout_batch`).
+
+With `rl.overlap` the whole of `sample_rollout` runs on a background thread during the previous step's
+update; it then scores and waits for the batch there too, so the update side finds it complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxrl import dynamic_sampling, losses, rewards
+from jaxrl.config import Config
+from jaxrl.losses import Controls
+from jaxrl.loop.generate import Generation, Generator
+from jaxrl.loop.setup import StepPrograms
+from jaxrl.sampling import FINISH_LENGTH, Rollout
+from jaxrl.sharding import from_process_local, process_max
+from jaxrl.train import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings; with
+    rl.overlap also the log-probs (and values) of the models that sampled it."""
+
+    problems: list
+    generation: Generation
+    scored: rewards.RewardResult | None
+    sample_s: float
+    reward_s: float
+    metrics: dict[str, float]  # dynamic sampling's
+    batch: dict | None = None  # `rollout_batch` under the sampling-time models (rl.overlap), else None
+    logprobs_s: float = 0.0  # the wait for that batch after scoring
+    greedy_rewards: np.ndarray | None = None  # ReMax's baseline [P * G] (this process's rows), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """What a rollout is drawn with, fixed for the run: the sampler front end, the reward pool, the step's
+    programs (for the log-probs and values) and the sampling key (fold_in(seed, 2), folded with the step)."""
+
+    config: Config
+    generate: Generator
+    pool: rewards.RewardPool
+    programs: StepPrograms
+    key: jax.Array
+
+
+def references(problems, group_size: int) -> list[str]:
+    """Each problem's reference, once per sample: rows `p * G + g`."""
+    return [p.reference for p in problems for _ in range(group_size)]
+
+
+def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarray, config: Config
+                   ) -> rewards.ComposedRewards:
+    """The verifiable reward `correct [B]` composed with the shaping components `config.reward` enables
+    (format reward of `texts`, DAPO overlong and length penalties of the completion `lengths` in tokens)."""
+    r = config.reward
+    components = {"correct": np.asarray(correct, np.float32)}
+    if r.format_weight:
+        components["format"] = np.array([rewards.format_reward(t, pattern=r.format_pattern) for t in texts],
+                                        np.float32)
+    if r.overlong_buffer is not None:
+        components["overlong"] = rewards.dapo_overlong_penalty(lengths, config.rl.sampling.max_new_tokens,
+                                                               r.overlong_buffer)
+    if r.length_target is not None:
+        components["length"] = rewards.length_penalty(lengths, r.length_target, r.length_penalty_coef)
+    return rewards.compose(components, r.component_weights())
+
+
+def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
+                  controls: Controls, ref_policy=None) -> dict:
+    """A rollout (global arrays on the mesh) with what the objective needs from the sampling-time models
+    `[B, N]`: `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic)
+    when used.
+
+    The device computations are only dispatched here: the device runs them while the host scores the
+    rewards of the same rollout.
+    """
+    batch = {"tokens": rollout.tokens, "prompt_valid": rollout.prompt_valid,
+             "completion_mask": rollout.completion_mask, "sampler_logp": rollout.sampler_logp,
+             "truncated": rollout.finish_reason == FINISH_LENGTH}
+    tokens, prompt_valid = batch["tokens"], batch["prompt_valid"]
+    batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature)
+    if loss_config.needs_entropy:
+        batch["entropy"] = entropy
+    if loss_config.needs_ref_logp:
+        batch["ref_logp"] = logprob_fn(ref_policy, tokens, prompt_valid, controls.temperature)[0]
+    if state.critic is not None:
+        batch["old_values"] = value_fn(state.critic, tokens, prompt_valid)
+    return batch
+
+
+def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, controls: Controls, ref_policy,
+                   prompts_iter, background: bool) -> RolloutResult:
+    """Sample step's completions with `state.policy`: on the main thread, or (`background`) on the rollout
+    thread during the previous step's update, where the rewards are scored and the batch's log-probs (and
+    values) computed too, under the same models that sampled it. With dynamic sampling, more rounds of
+    prompts (drawn from `prompts_iter`) until the batch holds only informative groups."""
+    config, rl = sampler.config, sampler.config.rl
+    programs, dynamic = sampler.programs, rl.dynamic_sampling.enabled
+    key = jax.random.fold_in(sampler.key, step)
+    rounds, informative, sample_s, reward_s = [], [], 0.0, 0.0
+    while True:
+        t0 = time.perf_counter()
+        round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
+        generation = sampler.generate(state.policy, [p.prompt for p in problems], round_key, rl.sampling,
+                                      controls.temperature, group_size=rl.group_size)
+        t1 = time.perf_counter()
+        batch = None
+        if background and not dynamic:  # dispatched first: the device computes it while the host scores
+            batch = rollout_batch(state, programs.logprobs, programs.values, generation.rollout, rl.loss,
+                                  controls, ref_policy)
+        t2 = time.perf_counter()
+        scored = (sampler.pool.score(generation.texts, references(problems, rl.group_size))
+                  if background or dynamic else None)
+        sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
+        rounds.append((problems, generation, scored))
+        if not dynamic:
+            result = RolloutResult(problems, generation, scored, sample_s, reward_s, {})
+            return with_batch(with_baseline(sampler, result, state.policy, key), batch)
+        informative.append(dynamic_sampling.informative_groups(shaped_rewards(
+            scored.rewards, generation.texts, generation.local.completion_mask.sum(1), config).total,
+            rl.group_size))
+        short = sum(int(f.sum()) for f in informative) < len(problems)
+        if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
+            break  # every process has its informative groups (or the rounds ran out)
+        problems = next(prompts_iter)
+    result = with_baseline(sampler, dynamic_result(rounds, informative, sampler.generate, rl.group_size, sample_s,
+                                                   reward_s), state.policy, key)
+    if not background:
+        return result
+    return with_batch(result, rollout_batch(state, programs.logprobs, programs.values, result.generation.rollout,
+                                            rl.loss, controls, ref_policy))
+
+
+def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> RolloutResult:
+    """`result` with ReMax's baseline when the estimator is `remax`: each prompt's greedy completion by the
+    policy that sampled `result`, scored and shaped like the samples."""
+    config = sampler.config
+    if config.rl.loss.advantage.estimator != "remax":
+        return result
+    greedy = dataclasses.replace(config.rl.sampling, temperature=0.0)
+    t0 = time.perf_counter()
+    greedy_out = sampler.generate(policy, [p.prompt for p in result.problems], key, greedy)
+    t1 = time.perf_counter()
+    greedy_scored = sampler.pool.score(greedy_out.texts, [p.reference for p in result.problems])
+    total = shaped_rewards(greedy_scored.rewards, greedy_out.texts, greedy_out.local.completion_mask.sum(1),
+                           config).total
+    return dataclasses.replace(result, greedy_rewards=np.repeat(total, config.rl.group_size),
+                               sample_s=result.sample_s + t1 - t0,
+                               reward_s=result.reward_s + time.perf_counter() - t1)
+
+
+def with_batch(result: RolloutResult, batch: dict | None) -> RolloutResult:
+    """`result` holding `batch` once the device has computed it (the wait is its logprobs_s)."""
+    if batch is None:
+        return result
+    t0 = time.perf_counter()
+    jax.block_until_ready(batch)
+    return dataclasses.replace(result, batch=batch, logprobs_s=time.perf_counter() - t0)
+
+
+def dynamic_result(rounds, informative, generate: Generator, group_size: int, sample_s: float,
+                   reward_s: float) -> RolloutResult:
+    """The batch of `dynamic_sampling.select_groups` assembled from the rounds `(problems, generation,
+    scored)`, with its metrics (this process's: rounds, first round's informative share, groups filled)."""
+    quota = len(rounds[0][0])
+    selection = dynamic_sampling.select_groups(informative, quota)
+    local = dynamic_sampling.assemble([g.local for _, g, _ in rounds], selection, group_size,
+                                      generate.tokenizer.pad_id)
+    problems = [rounds[r][0][g] for r, g in selection.groups]
+    texts = [rounds[r][1].texts[g * group_size + i] for r, g in selection.groups for i in range(group_size)]
+    scores = [rounds[r][2] for r in range(len(rounds))]
+    scored = rewards.RewardResult(
+        np.concatenate([scores[r].rewards[g * group_size:(g + 1) * group_size] for r, g in selection.groups]),
+        sum(s.timeouts for s in scores), sum(s.errors for s in scores), sum(s.seconds for s in scores))
+    global_rollout = from_process_local(tuple(x for x in local if x is not None), generate.mesh)
+    rollout = Rollout(*global_rollout, *(None,) * (len(Rollout._fields) - len(global_rollout)))
+    metrics = {"dynamic/rounds": float(len(rounds)), "dynamic/informative_frac": float(informative[0].mean()),
+               "dynamic/filled_groups": float(selection.filled), "dynamic/prompts_sampled": float(quota * len(rounds)),
+               # the reward of the batch as sampled: reward/mean is over the selected (informative) groups
+               "dynamic/sampled_reward_mean": float(np.mean(scores[0].rewards))}
+    return RolloutResult(problems, Generation(rollout, local, texts), scored, sample_s, reward_s, metrics)
