@@ -34,7 +34,7 @@ from jaxrl.convert import RUN_MODEL_FILE, describe_source, load_policy
 from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.data.prompts import DataError, load_prompts
-from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
 from jaxrl.losses import Controls, Term
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
@@ -489,11 +489,11 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     if resume_step is None:
         checkpointer = Checkpointer(os.path.join(out, "checkpoints"), keep=config.checkpoint.keep)
 
-    tensorboard_dir = os.path.join(out, "tensorboard") if config.tensorboard and is_primary() else None
     with contextlib.ExitStack() as finally_close:
         finally_close.callback(checkpointer.close)  # on an error too: an async save in flight is finished
         writer = finally_close.enter_context(MetricsWriter(
-            metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"), tensorboard_dir))
+            metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"),
+            build_mirrors(config, out) if is_primary() else ()))
         pool = finally_close.enter_context(rewards.RewardPool(
             reward_fn, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s,
             batch_timeout_s=config.reward.batch_timeout_s))
