@@ -27,6 +27,8 @@ def _train(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
     if config is None:
         return 2
+    if args.print_config or args.dry_run:
+        return _inspect(config, args)
     from jaxrl.data.prompts import DataError
     from jaxrl.loop import Preempted, TrainingDiverged, run
     from jaxrl.tokenizer import ChatTemplateError, TokenizerError
@@ -57,6 +59,20 @@ def _train(args: argparse.Namespace) -> int:
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
     print(f"outputs in {config.output_dir}/ (summary.json, metrics.jsonl, reward_accuracy.png, checkpoints/)")
+    return 0
+
+
+def _inspect(config, args: argparse.Namespace) -> int:
+    """`--print-config`: the resolved config, every key with its type and default; `--dry-run`: the checks of
+    a run without loading weights (exit 0 when all pass, 2 otherwise). Neither writes anything."""
+    from jaxrl.dry_run import describe_config, dry_run, report
+
+    if args.print_config:
+        print(describe_config(config), end="")
+    if args.dry_run:
+        checks, passed = dry_run(config)
+        print(report(checks), end="")
+        return 0 if passed else 2
     return 0
 
 
@@ -126,10 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
-                                description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1.")
+                                description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1. "
+                                            "--print-config lists every key with its type and default; --dry-run "
+                                            "checks the run without loading weights.")
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
     # default=[]: without one, argparse's error for a missing config says the overrides are required too
     train.add_argument("overrides", nargs="*", default=[], metavar="key=value")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config: every key with "
+                       "its value, type and default (changed values marked) and the registered choices of fields "
+                       "that name rewards, objectives, ratios and estimators; then exit")
+    train.add_argument("--dry-run", action="store_true", help="check the run without loading weights or writing "
+                       "anything: extras, output_dir, data files, batch sizes, the first rendered prompt, the "
+                       "rewards and the loss; exit 0 when all pass, 2 otherwise")
     train.set_defaults(handler=_train)
     evaluate = commands.add_parser("eval", help="held-out evaluation of a checkpoint: greedy accuracy, pass@k, maj@k",
                                    description="Evaluate checkpoint=PATH on the recipe's held-out problems; "
