@@ -107,7 +107,8 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)
         result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, base=args.base,
-                         max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty())
+                         max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty(),
+                         no_tokenizer=args.no_tokenizer)
     except (CheckpointError, ConfigError, HFConfigError, OSError, ValueError) as e:
         print(f"jaxrl: convert error: {e}", file=sys.stderr)
         return 2
@@ -176,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="parameter dtype of the output (default: the source's)")
     convert.add_argument("--base", metavar="HF_DIR", help="the original HF directory: its tokenizer, generation "
                          "config and token ids are carried over (default: the source when it is an HF directory, "
-                         "what a policy checkpoint kept from one; nothing for a run)")
+                         "what a policy checkpoint kept from one, a run's pretrained.path)")
+    convert.add_argument("--no-tokenizer", action="store_true", help="write an HF directory without a tokenizer "
+                         "when none is found (refused otherwise)")
     convert.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file, e.g. 500MB, 5GB, "
                          "2GiB or bytes (default: 5GiB)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
