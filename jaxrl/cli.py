@@ -91,7 +91,7 @@ def _eval(args: argparse.Namespace) -> int:
     from jaxrl.models.hf import CheckpointError
 
     try:
-        result = evaluate_checkpoint(config, checkpoints[0])
+        result = evaluate_checkpoint(config, checkpoints[0], completions_file=args.completions)
     except (CheckpointError, DataError, ValueError, OSError) as e:
         print(f"jaxrl: eval error: {e}", file=sys.stderr)
         return 2
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply")
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                           help="checkpoint=PATH and config overrides")
+    evaluate.add_argument("--completions", metavar="FILE", help="also write each held-out problem's greedy "
+                          "completion as JSONL: prompt, reference, completion, reward/correct, length")
     evaluate.set_defaults(handler=_eval)
     convert = commands.add_parser(
         "convert", help="convert checkpoints: Hugging Face <-> orbax policy checkpoint, run -> Hugging Face",

@@ -35,6 +35,7 @@ from jaxrl.data import arithmetic
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
+from jaxrl.samples import completion_records, write_completions
 from jaxrl.losses import Controls, Term
 from jaxrl.sampling import FINISH_LENGTH, Rollout, SamplingConfig, compiled_programs, sample, stop_sequences_for
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, initialize_distributed, is_primary,
@@ -150,9 +151,10 @@ def _process_batches(problems, size: int, mesh):
 
 
 def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
-             max_new_tokens: int) -> dict[str, float]:
+             max_new_tokens: int, completions: list | None = None) -> dict[str, float]:
     """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all.
-    Each process samples and scores its rows of every batch; the scores are gathered."""
+    Each process samples and scores its rows of every batch; the scores are gathered. `completions`, when
+    given, is extended with one `samples.completion_records` row per problem this process sampled."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     start, scores, lengths, sample_text = time.perf_counter(), [], [], None
     for _, chunk, padded, real in _process_batches(problems, batch_size, generate.mesh):
@@ -164,6 +166,9 @@ def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, ba
         all_scores, all_lengths = gather((local_scores, row_lengths), generate.mesh)
         scores += all_scores[:len(chunk)].tolist()
         lengths += all_lengths[:len(chunk)].tolist()
+        if completions is not None:
+            completions += completion_records([p.prompt for p in padded[:real]], [p.reference for p in padded[:real]],
+                                              generation.texts[:real], local_scores[:real], row_lengths[:real])
         if sample_text is None and generation.texts:
             sample_text = generation.texts[0]
     return {"eval/accuracy": float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
@@ -561,13 +566,15 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     return summary
 
 
-def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
+def evaluate_checkpoint(config: Config, checkpoint: str, completions_file: str | None = None) -> dict[str, Any]:
     """Held-out evaluation of a saved policy (`jaxrl eval CONFIG checkpoint=PATH`): greedy accuracy and, with
     `eval.samples`, pass@k / maj@k, on the evaluation problems of `config` (task, data, reward, sampling).
 
     `checkpoint`: a run directory (its newest checkpoint), one of its `checkpoints/<step>`, a policy checkpoint
     or a Hugging Face directory. A run's tokenizer is its `tokenizer.model`; otherwise `tokenizer.path` or the
-    checkpoint's own tokenizer files."""
+    checkpoint's own tokenizer files. `completions_file`: a JSONL of the greedy completion of every held-out
+    problem (prompt, reference, completion, reward/correct, length; in a multi-process run, the primary
+    process's share)."""
     initialize_distributed(config.distributed)
     _, eval_problems, _, _ = load_task(config)
     layout = layout_from(config.mesh)
@@ -580,8 +587,11 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
     generate = _generator(eval_problems, tokenizer, layout.mesh, config)
     with rewards.RewardPool(config.pieces()["reward.function"].fn, num_workers=config.reward.num_workers,
                             timeout_s=config.reward.timeout_s, batch_timeout_s=config.reward.batch_timeout_s) as pool:
+        completions = [] if completions_file else None
         result = evaluate(policy, generate, eval_problems, pool, config.eval.batch_size,
-                          config.rl.sampling.max_new_tokens)
+                          config.rl.sampling.max_new_tokens, completions)
+        if completions_file and is_primary():
+            write_completions(completions_file, completions)
         if config.eval.samples:
             result.update(evaluate_sampled(policy, generate, eval_problems, pool, config,
                                            jax.random.fold_in(jax.random.key(config.seed), 4)))

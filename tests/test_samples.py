@@ -69,3 +69,26 @@ def test_eval_completions_one_row_per_problem(tmp_path):
         {"prompt": "2+2", "reference": {"a": 4}, "completion": "5", "reward/correct": 0.0, "length": 1}]
     with pytest.raises(ValueError, match="differ in length"):
         completion_records(["a"], ["b"], [], [1.0], [1])
+
+
+def test_jaxrl_eval_writes_one_completion_per_held_out_problem(tmp_path, capsys):
+    """`jaxrl eval ... --completions FILE`: one row per problem, whose rewards average to the printed accuracy."""
+    from jaxrl import cli
+    from jaxrl.data import arithmetic
+    from test_pretrained_run import _checkpoint_with_tokenizer
+
+    _checkpoint_with_tokenizer(tmp_path / "qwen")
+    out = tmp_path / "eval" / "completions.jsonl"
+    assert cli.main(["eval", "configs/default.yaml", f"checkpoint={tmp_path / 'qwen'}", "task.num_eval=8",
+                     "progress=false", "eval.batch_size=8", "rl.sampling.max_new_tokens=4",
+                     "--completions", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(printed[printed.index("{"):])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    held_out = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_eval=8), 0)[1]
+    assert [r["prompt"] for r in rows] == [p.prompt for p in held_out]
+    assert [r["reference"] for r in rows] == [p.reference for p in held_out]
+    assert all(set(r) == {"prompt", "reference", "completion", "reward/correct", "length"} for r in rows)
+    assert all(0 <= r["length"] <= 4 for r in rows)
+    assert np.mean([r["reward/correct"] for r in rows]) == pytest.approx(result["eval/accuracy"])
+    assert np.mean([r["length"] for r in rows]) == pytest.approx(result["eval/completion_length"])
