@@ -80,3 +80,35 @@ def test_train_help_mentions_print_config_and_dry_run(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     assert "--print-config" in text and "--dry-run" in text
+
+
+def test_configlib_describe_walks_any_schema():
+    """The generic part: types, bounds, Literal choices, optional and list fields, nested sections, defaults,
+    changed values and a per-field choices note."""
+    import dataclasses
+    import math
+    from typing import Literal
+
+    from jaxrl.configlib import describe, load_config
+
+    @dataclasses.dataclass(frozen=True)
+    class Optim:
+        learning_rate: float = dataclasses.field(default=3e-4, metadata={"gt": 0})
+        schedule: Literal["constant", "cosine"] = "cosine"
+        max_norm: float = dataclasses.field(default=math.inf, metadata={"gt": 0, "le": math.inf})
+
+    @dataclasses.dataclass(frozen=True)
+    class Root:
+        name: str | None = None
+        sizes: tuple[int, ...] = (1, 2)
+        optim: Optim = dataclasses.field(default_factory=Optim)
+
+    config = load_config(Root, None, ["optim.schedule=constant", "name=x"])
+    assert describe(config, {"optim.schedule": "see the docs"}).splitlines() == [
+        'name: "x"  # str or null; default null (changed)',
+        "sizes: [1, 2]  # list of int; default [1, 2]",
+        "optim:",
+        "  learning_rate: 0.0003  # float > 0; default 0.0003",
+        "  schedule: \"constant\"  # one of 'constant', 'cosine'; default \"cosine\" (changed); see the docs",
+        "  max_norm: .inf  # float > 0, <= .inf; default .inf",
+    ]

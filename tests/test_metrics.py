@@ -71,8 +71,9 @@ def test_plot_run_shows_rewards_outside_zero_one(tmp_path, monkeypatch):
     assert limits == [(-1.5, 1), (0, 1), (0, 1)]
 
 
-def _wandb_history(run_directory) -> list[dict]:
-    """The history rows of the one offline run under `run_directory` (`<output_dir>/wandb`), read from its
+def _wandb_history(run_directory, config: dict | None = None) -> list[dict]:
+    """The history rows of the one offline run under `run_directory` (`<output_dir>/wandb`) (and its config,
+    into `config`), read from its
     `.wandb` file: a LevelDB-style log (7-byte file header, 32 KiB blocks, records split into chunks with a
     7-byte header: crc32, length, type) of wandb's own `Record` protobufs."""
     import struct
@@ -94,6 +95,8 @@ def _wandb_history(run_directory) -> list[dict]:
         if kind in (1, 4):  # a whole record, or its last chunk
             record = wandb_internal_pb2.Record.FromString(pending)
             pending = b""
+            if record.WhichOneof("record_type") == "run" and config is not None:
+                config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
             if record.WhichOneof("record_type") == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
@@ -128,7 +131,11 @@ def test_wandb_offline_run_holds_the_scalars_of_metrics_jsonl(tmp_path, monkeypa
     paths[0].write_text("".join(line for line in lines if '"step": 2' not in line or '"sft"' in line))
     with MetricsWriter(*paths, build_mirrors(config, out)) as writer:
         writer.write({"phase": "rl", "step": 2, "reward/mean": 0.875, "time/step_s": 1.0})
-    history = _wandb_history(out / "wandb")
+    logged_config = {}
+    history = _wandb_history(out / "wandb", logged_config)
+    from jaxrl.configlib import to_dict
+
+    assert {k: v for k, v in logged_config.items() if k != "_wandb"} == to_dict(config)  # the resolved config
     logged = {(phase, row[f"{phase}/step"]): {k: v for k, v in row.items() if k.startswith(phase + "/")}
               for row in history for phase in ("sft", "rl") if f"{phase}/step" in row}
     assert len(logged) == len(history)  # each row belongs to one phase
