@@ -175,8 +175,8 @@ def wandb_mirror(directory: str, config) -> WandbMirror:
     try:
         import wandb
     except ImportError as e:
-        from jaxrl.extras import install_command
-        raise ImportError(f"wandb: true needs the wandb package: {install_command('wandb')}") from e
+        from jaxrl.extras import MissingExtra, install_command
+        raise MissingExtra(f"wandb: true needs the wandb package: {install_command('wandb')}") from e
     from jaxrl.configlib import to_dict
 
     os.makedirs(directory, exist_ok=True)
@@ -185,6 +185,7 @@ def wandb_mirror(directory: str, config) -> WandbMirror:
     settings = {} if log.wandb_mode is None else {"mode": log.wandb_mode}
     # wandb writes into a `wandb/` folder of the directory it is given: `directory` itself when it is named so
     parent = os.path.dirname(os.path.abspath(directory)) if os.path.basename(directory) == "wandb" else directory
+    # reinit="create_new" (wandb >= 0.19.10): a notebook calling loop.run twice gets two runs, not a reused one
     run = wandb.init(project=log.wandb_project, name=name, dir=parent, config=to_dict(config),
                      reinit="create_new", **settings)
     return WandbMirror(run)
@@ -195,8 +196,8 @@ def tensorboard_writer(directory: str | os.PathLike):
     try:
         from tensorboardX import SummaryWriter
     except ImportError as e:
-        from jaxrl.extras import install_command
-        raise ImportError(f"tensorboard: true needs the tensorboardX package: {install_command('tensorboard')}") \
+        from jaxrl.extras import MissingExtra, install_command
+        raise MissingExtra(f"tensorboard: true needs the tensorboardX package: {install_command('tensorboard')}") \
             from e
     return SummaryWriter(logdir=os.fspath(directory), flush_secs=10)
 
