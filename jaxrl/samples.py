@@ -25,7 +25,7 @@ import numpy as np
 from jaxrl.metrics import read_metrics, to_python
 
 __all__ = ["FINISH_REASONS", "pick_rows", "sequence_advantages", "sample_records", "SampleLog",
-           "truncate_samples", "completion_records", "write_completions"]
+           "truncate_samples", "open_sample_log", "completion_records", "write_completions"]
 
 FINISH_REASONS = ("eos", "length")  # jaxrl.sampling.FINISH_EOS, FINISH_LENGTH
 
@@ -105,6 +105,20 @@ def truncate_samples(path: str | os.PathLike, step: int) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, path)
+
+
+def open_sample_log(config, output_dir: str | os.PathLike, resume_step: int | None, primary: bool) -> SampleLog:
+    """The run's `<output_dir>/samples.jsonl` log (`config.log`, `config.rl.group_size`): a fresh run
+    (`resume_step` None) starts it empty, a resumed one keeps the samples up to its checkpoint's step. Only the
+    `primary` process touches the file. Call it where the run opens metrics.jsonl (the directory is its own)."""
+    path = os.path.join(output_dir, "samples.jsonl")
+    if primary:
+        if resume_step is None:
+            if os.path.exists(path):
+                os.remove(path)
+        else:
+            truncate_samples(path, resume_step)
+    return SampleLog(path, config.log.samples_every, config.log.samples_per_step, config.rl.group_size, primary)
 
 
 def completion_records(prompts: Sequence[str], references: Sequence[Any], completions: Sequence[str],

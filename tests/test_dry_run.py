@@ -112,3 +112,20 @@ def test_configlib_describe_walks_any_schema():
         "  schedule: \"constant\"  # one of 'constant', 'cosine'; default \"cosine\" (changed); see the docs",
         "  max_norm: .inf  # float > 0, <= .inf; default .inf",
     ]
+
+
+def test_dry_run_prints_the_chat_templated_prompt_of_a_pretrained_checkpoint(tmp_path, capsys):
+    """With pretrained.path, the checkpoint's tokenizer renders the prompt, chat template and system turn
+    included; no weights are loaded (the safetensors file may be anything)."""
+    from test_pretrained_run import _checkpoint_with_tokenizer
+
+    _checkpoint_with_tokenizer(tmp_path / "qwen")
+    (tmp_path / "qwen" / "model.safetensors").write_bytes(b"not weights")  # never read by a dry run
+    overrides = _files(tmp_path, [{"question": "What is 1+2?", "answer": "3"}])
+    assert main(["train", "configs/default.yaml", *overrides, f"pretrained.path={tmp_path / 'qwen'}",
+                 "data.chat_template=true", "data.system_prompt='Be brief.'", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("ok     template")))
+    assert lines[start + 1:start + 7] == ["    | <|im_start|>system", "    | Be brief.<|im_end|>",
+                                          "    | <|im_start|>user", "    | Q: What is 1+2? A:<|im_end|>",
+                                          "    | <|im_start|>assistant", "    | "]

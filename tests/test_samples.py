@@ -92,3 +92,22 @@ def test_jaxrl_eval_writes_one_completion_per_held_out_problem(tmp_path, capsys)
     assert all(0 <= r["length"] <= 4 for r in rows)
     assert np.mean([r["reward/correct"] for r in rows]) == pytest.approx(result["eval/accuracy"])
     assert np.mean([r["length"] for r in rows]) == pytest.approx(result["eval/completion_length"])
+
+
+def test_open_sample_log_follows_the_run_fresh_or_resumed(tmp_path):
+    from jaxrl.config import Config
+    from jaxrl.configlib import load_config
+    from jaxrl.samples import open_sample_log
+
+    config = load_config(Config, None, ["log.samples_every=1", "log.samples_per_step=2", "rl.group_size=2"])
+    with open_sample_log(config, tmp_path, None, primary=True) as log:
+        for step in (1, 2, 3):
+            log.write(step, **_columns(4, step))
+    steps = lambda: [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps() == [1, 1, 2, 2, 3, 3]
+    open_sample_log(config, tmp_path, 2, primary=False).close()  # another process leaves the file alone
+    assert steps() == [1, 1, 2, 2, 3, 3]
+    open_sample_log(config, tmp_path, 2, primary=True).close()  # resumed after RL step 2
+    assert steps() == [1, 1, 2, 2]
+    open_sample_log(config, tmp_path, None, primary=True).close()  # a fresh run starts it empty
+    assert (tmp_path / "samples.jsonl").read_text() == ""
