@@ -95,8 +95,10 @@ def _wandb_history(run_directory, config: dict | None = None) -> list[dict]:
         if kind in (1, 4):  # a whole record, or its last chunk
             record = wandb_internal_pb2.Record.FromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "run" and config is not None:
-                config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            kind = record.WhichOneof("record_type")
+            if kind in ("run", "config") and config is not None:  # the config comes with the run or after it
+                updates = record.run.config.update if kind == "run" else record.config.update
+                config.update({item.key: json.loads(item.value_json) for item in updates})
             if record.WhichOneof("record_type") == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
