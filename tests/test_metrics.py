@@ -150,3 +150,22 @@ def test_wandb_offline_run_holds_the_scalars_of_metrics_jsonl(tmp_path, monkeypa
     assert expected[("rl", 2)] == {"rl/step": 2, "rl/reward/mean": 0.875, "rl/time/step_s": 1.0}
     assert expected[("sft", 1)] == {"sft/step": 1, "sft/train/loss": 2.5, "sft/time/step_s": 0.5}
     assert len(history) == 5
+
+
+def test_wandb_mode_and_name_come_from_the_log_section(tmp_path, monkeypatch):
+    """`log.wandb_mode: offline` is honoured without WANDB_MODE (an online default would need the network);
+    the run is named after output_dir unless `log.wandb_name` says otherwise."""
+    pytest.importorskip("wandb")
+    from jaxrl.config import Config, LogConfig
+    from jaxrl.metrics import build_mirrors
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name, expected in ((None, "my-run"), ("custom", "custom")):
+        out = tmp_path / str(name) / "my-run"
+        config = Config(output_dir=str(out), wandb=True, log=LogConfig(wandb_mode="offline", wandb_name=name))
+        (mirror,) = build_mirrors(config, out)
+        assert mirror._run.name == expected and mirror._run.settings.mode == "offline"
+        mirror.write({"phase": "rl", "step": 1, "reward/mean": 0.5})
+        mirror.close()
+        assert [row["rl/reward/mean"] for row in _wandb_history(out / "wandb")] == [0.5]
