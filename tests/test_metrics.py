@@ -72,37 +72,53 @@ def test_plot_run_shows_rewards_outside_zero_one(tmp_path, monkeypatch):
 
 
 def _wandb_history(run_directory, config: dict | None = None) -> list[dict]:
-    """The history rows of the one offline run under `run_directory` (`<output_dir>/wandb`) (and its config,
-    into `config`), read from its
-    `.wandb` file: a LevelDB-style log (7-byte file header, 32 KiB blocks, records split into chunks with a
-    7-byte header: crc32, length, type) of wandb's own `Record` protobufs."""
+    """The history rows of the one offline run under `run_directory` (`<output_dir>/wandb`), and its config
+    (into `config`), once its `.wandb` file holds the run's exit record."""
+    import time
+
+    (path,) = list(run_directory.glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + 30
+    while True:  # wandb-core may write the file a moment after run.finish() returns
+        records = _wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    rows = []
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config") and config is not None:  # the config comes with the run or after it
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in updates})
+        if kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def _wandb_records(path) -> list:
+    """The records of a `.wandb` file so far: a LevelDB-style log (7-byte file header, 32 KiB blocks, records
+    split into chunks with a 7-byte header: crc32, length, type) of wandb's own `Record` protobufs."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = list(run_directory.glob("offline-run-*/run-*.wandb"))
     data = path.read_bytes()
     assert data[:4] == b":W&B"
-    position, block, pending, rows = 7, 32768, b"", []
+    position, block, pending, records = 7, 32768, b"", []
     while position + 7 <= len(data):
         left = block - position % block
         if left < 7:  # a block's zero-padded tail
             position += left
             continue
         _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if position + 7 + length > len(data):  # a chunk still being written
+            break
         pending += data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a whole record, or its last chunk
-            record = wandb_internal_pb2.Record.FromString(pending)
+            records.append(wandb_internal_pb2.Record.FromString(pending))
             pending = b""
-            kind = record.WhichOneof("record_type")
-            if kind in ("run", "config") and config is not None:  # the config comes with the run or after it
-                updates = record.run.config.update if kind == "run" else record.config.update
-                config.update({item.key: json.loads(item.value_json) for item in updates})
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+    return records
 
 
 def test_wandb_offline_run_holds_the_scalars_of_metrics_jsonl(tmp_path, monkeypatch):
