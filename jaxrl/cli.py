@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from jaxrl.configlib import load_config
@@ -22,6 +23,8 @@ def _load(path: str | None, overrides: list[str]):
 
 def _train(args: argparse.Namespace) -> int:
     config = _load(args.config, args.overrides)
+    if args.print_config or args.dry_run:
+        return _inspect(config, args)
     from jaxrl.loop import run
 
     summary = run(config, config_source=args.config or "")
@@ -29,6 +32,20 @@ def _train(args: argparse.Namespace) -> int:
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
     print(f"outputs in {config.output_dir}/ (summary.json, metrics.jsonl, reward_accuracy.png, checkpoints/)")
+    return 0
+
+
+def _inspect(config, args: argparse.Namespace) -> int:
+    """`--print-config`: the resolved config, every key with its type and default; `--dry-run`: the checks of
+    a run without loading weights (exit 0 when all pass, 2 otherwise). Neither writes anything."""
+    from jaxrl.dry_run import describe_config, dry_run, report
+
+    if args.print_config:
+        print(describe_config(config), end="")
+    if args.dry_run:
+        checks, passed = dry_run(config)
+        print(report(checks), end="")
+        return 0 if passed else 2
     return 0
 
 
@@ -43,7 +60,7 @@ def _eval(args: argparse.Namespace) -> int:
     args.error_kind = "eval error"  # from here on, every error reads `jaxrl: eval error: ...`
     from jaxrl.loop import evaluate_checkpoint
 
-    result = evaluate_checkpoint(config, checkpoints[0])
+    result = evaluate_checkpoint(config, checkpoints[0], completions_file=args.completions)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -54,7 +71,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     max_shard_bytes = 5 * 2**30 if args.max_shard_size is None else parse_size(args.max_shard_size)
     result = convert(args.src, args.dst, to=args.to, dtype=args.dtype, base=args.base,
-                     max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty())
+                     max_shard_bytes=max_shard_bytes, overwrite=args.overwrite, progress=sys.stderr.isatty(),
+                     no_tokenizer=args.no_tokenizer)
     print(result.summary())
     return 0
 
@@ -80,14 +98,11 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 
 def _tiny_checkpoint(args: argparse.Namespace) -> int:
+    args.error_kind = "tiny-checkpoint error"
     from jaxrl.tiny import write_tiny_checkpoint  # heavy imports (jax) only once the arguments parse
 
-    try:
-        path = write_tiny_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
-                                     seed=args.seed, overwrite=args.overwrite)
-    except (FileExistsError, ValueError, OSError) as e:
-        print(f"jaxrl: tiny-checkpoint error: {e}", file=sys.stderr)
-        return 2
+    path = write_tiny_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
+                                 seed=args.seed, overwrite=args.overwrite)
     print(f"wrote a tiny {args.family} checkpoint (random weights, byte-level BPE, ChatML chat template) to {path}\n"
           f"try: jaxrl train configs/default.yaml pretrained.path={path}")
     return 0
@@ -114,10 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="warm start + RL on a YAML recipe",
-                                description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1.")
+                                description="Run a recipe. Overrides use dotted keys, e.g. rl.steps=50 seed=1. "
+                                            "--print-config lists every key with its type and default; --dry-run "
+                                            "checks the run without loading weights.")
     train.add_argument("config", help="YAML recipe, e.g. configs/default.yaml")
     # default=[]: without one, argparse's error for a missing config says the overrides are required too
     train.add_argument("overrides", nargs="*", default=[], metavar="key=value")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config: every key with "
+                       "its value, type and default (changed values marked) and the registered choices of fields "
+                       "that name rewards, objectives, ratios and estimators; then exit")
+    train.add_argument("--dry-run", action="store_true", help="check the run without loading weights or writing "
+                       "anything: extras, output_dir, data files, batch sizes, the first rendered prompt, the "
+                       "rewards and the loss; exit 0 when all pass, 2 otherwise")
     train.set_defaults(handler=_train)
     evaluate = commands.add_parser("eval", help="held-out evaluation of a checkpoint: greedy accuracy, pass@k, maj@k",
                                    description="Evaluate checkpoint=PATH on the recipe's held-out problems; "
@@ -125,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply")
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                           help="checkpoint=PATH and config overrides")
+    evaluate.add_argument("--completions", metavar="FILE", help="also write each held-out problem's greedy "
+                          "completion as JSONL: prompt, reference, completion, reward/correct, length")
     evaluate.set_defaults(handler=_eval)
     convert = commands.add_parser(
         "convert", help="convert checkpoints: Hugging Face <-> orbax policy checkpoint, run -> Hugging Face",
@@ -140,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="parameter dtype of the output (default: the source's)")
     convert.add_argument("--base", metavar="HF_DIR", help="the original HF directory: its tokenizer, generation "
                          "config and token ids are carried over (default: the source when it is an HF directory, "
-                         "what a policy checkpoint kept from one; nothing for a run)")
+                         "what a policy checkpoint kept from one, a run's pretrained.path)")
+    convert.add_argument("--no-tokenizer", action="store_true", help="write an HF directory without a tokenizer "
+                         "when none is found (refused otherwise)")
     convert.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file, e.g. 500MB, 5GB, "
                          "2GiB or bytes (default: 5GiB)")
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
@@ -189,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jaxrl").setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
+    # A recipe's own modules (`reward.function: my_rewards:fn`, `imports: [my_losses]`) import from the working
+    # directory, as `python -m` would; reward workers inherit the path.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return _handle_errors(args)
 
 

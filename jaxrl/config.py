@@ -335,6 +335,20 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What a run logs beside metrics.jsonl: the wandb mirror's run (with `wandb: true`) and samples.jsonl."""
+
+    wandb_project: str = "jaxrl"
+    wandb_name: str | None = None  # None: the basename of output_dir
+    # None: wandb's own default (or the WANDB_MODE environment variable); offline writes <output_dir>/wandb only
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    # Every this many RL steps, `samples_per_step` completions of that step's batch go to <output_dir>/samples.jsonl
+    # (prompt, completion, reference, reward components, advantage, length, finish reason); 0: off.
+    samples_every: int = _field(10, ge=0)
+    samples_per_step: int = _field(4, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = _field(0, ge=0, le=2**32 - 1)  # the data shuffle (grain) takes 32 bits
     # Modules imported when the config loads (before its names are checked): their `@jaxrl.registry.register`
@@ -343,6 +357,7 @@ class Config:
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard
+    wandb: bool = False  # also log metrics to Weights & Biases (the `wandb` extra; see `log`), files under <output_dir>/wandb
     # Go on from the newest checkpoint in output_dir (parameters, optimizer state, critic, controls, data
     # position, RL step): the result equals an uninterrupted run's. The model must be the checkpoint's.
     resume: bool = False
@@ -368,6 +383,7 @@ class Config:
     distributed: DistributedConfig = _section(DistributedConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     plan: PlanConfig = _section(PlanConfig)
+    log: LogConfig = _section(LogConfig)
 
     def pieces(self) -> dict[str, registry.Entry]:
         """Config field -> the registry entry it names: every named reward (`reward.function`, one

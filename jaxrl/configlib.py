@@ -61,7 +61,7 @@ import yaml
 from jaxrl.errors import JaxrlError
 
 __all__ = ["ConfigError", "FrozenMapping", "load_config", "load_yaml", "from_dict", "to_dict", "dump_yaml",
-           "replace_path"]
+           "replace_path", "describe"]
 
 T = TypeVar("T")
 
@@ -239,6 +239,78 @@ def dump_yaml(config) -> str:
     if not _is_dataclass_instance(config):
         raise TypeError(f"dump_yaml expects a dataclass instance, got {type(config).__name__}")
     return yaml.safe_dump(_dump(config, type(config)()), sort_keys=False)
+
+
+def describe(config, choices: Mapping[str, str] | None = None) -> str:
+    """Every field of ``config`` as YAML-like lines (sections indented), each with its type, bounds and default::
+
+        seed: 1  # int >= 0, <= 4294967295; default 0 (changed)
+        optim:
+          schedule: "cosine"  # one of 'constant', 'cosine'; default "cosine"
+
+    ``choices``: dotted field -> text appended to its line (e.g. the registered names a field may take). The
+    default of a field is the schema's (the field's dataclass built without arguments); a value that differs
+    from it is marked ``(changed)``."""
+    if not _is_dataclass_instance(config):
+        raise TypeError(f"describe expects a dataclass instance, got {type(config).__name__}")
+    lines: list[str] = []
+    _describe_section(config, type(config)(), "", 0, dict(choices or {}), lines)
+    return "\n".join(lines) + "\n"
+
+
+def _describe_section(config, default, path: str, depth: int, choices: dict, lines: list[str]) -> None:
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if not f.init:
+            continue
+        value, start, sub, indent = getattr(config, f.name), getattr(default, f.name), _join(path, f.name), \
+            "  " * depth
+        if _is_dataclass_instance(value):
+            lines.append(f"{indent}{f.name}:")
+            _describe_section(value, start if isinstance(start, type(value)) else type(value)(), sub, depth + 1,
+                              choices, lines)
+            continue
+        bounds = ", ".join(f"{_BOUNDS[k][1]} {_flow(f.metadata[k])}" for k in _BOUNDS if k in f.metadata)
+        note = _type_name(hints[f.name]) + (f" {bounds}" if bounds else "") + f"; default {_flow(start)}"
+        if value != start:
+            note += " (changed)"
+        if sub in choices:
+            note += f"; {choices[sub]}"
+        lines.append(f"{indent}{f.name}: {_flow(value)}  # {note}")
+
+
+def _type_name(tp) -> str:
+    """Short type name of a schema field: ``int``, ``str or null``, ``list of float``, ``one of 'a', 'b'``."""
+    inner, optional = _unwrap_optional(tp)
+    if optional:
+        return f"{_type_name(inner)} or null"
+    if inner in _SCALARS:
+        return inner.__name__
+    origin, args = typing.get_origin(inner), typing.get_args(inner)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple and args:
+        if args[-1] is Ellipsis:
+            return f"list of {_type_name(args[0])}"
+        return "list of " + ", ".join(_type_name(a) for a in args)
+    return getattr(inner, "__name__", str(inner))
+
+
+def _flow(value) -> str:
+    """A value as one line of YAML flow syntax (strings quoted as JSON, which YAML reads back)."""
+    import json
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
+    if isinstance(value, float) and math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
 
 
 def replace_path(config: T, dotted: str, value) -> T:

@@ -107,6 +107,7 @@ def convert(
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
     progress: bool = False,
+    no_tokenizer: bool = False,
 ) -> ConvertResult:
     """Convert a checkpoint: HF -> policy checkpoint (orbax), or any source -> HF.
 
@@ -118,11 +119,12 @@ def convert(
       base: for `to="hf"`, the HF directory the policy came from: its tokenizer, generation config and the
         non-architecture keys of its config.json (token ids, ...) are carried over. Default: the source itself
         when it is an HF directory, the `hf_files/` a policy checkpoint kept from its HF origin, and for a run
-        the checkpoint its config.yaml names as `pretrained.path` (nothing for a run trained from scratch:
-        pass it to get a directory `transformers` can tokenize with). For `to="orbax"` from an HF source, the source's (or `base`'s) non-weight files are
-        kept in the checkpoint's `hf_files/`.
+        the HF files of the `pretrained.path` its config.yaml names (`run_hf_files`). For `to="orbax"` from
+        an HF source, the source's (or `base`'s) non-weight files are kept in the checkpoint's `hf_files/`.
       max_shard_bytes: for `to="hf"`, the largest safetensors file before sharding.
       overwrite: replace a non-empty `dst`.
+      no_tokenizer: for `to="hf"`, write an HF directory without a tokenizer when none is found (otherwise a
+        `CheckpointError` naming `base` refuses: `transformers` could not tokenize with the output).
 
     The output is written beside `dst` under a temporary name and renamed when complete, so an interrupted
     conversion leaves no `dst` that looks complete (and an existing one is replaced only at the end).
@@ -147,9 +149,15 @@ def convert(
     elif source.kind == "policy" and os.path.isfile(os.path.join(source.directory, HF_FILES_DIR, "config.json")):
         base = os.path.join(source.directory, HF_FILES_DIR)
 
-    policy = load_policy(source.directory, dtype=dtype, progress=progress)
-    if base is None and source.kind == "run":  # read after the model files, whose errors come first
-        base = _run_base(source.config_file)
+    policy = load_policy(source.directory, dtype=dtype, progress=progress)  # first: it names a damaged run's files
+    if base is None and to == "hf":
+        why = f"the {source.kind} names no HF origin"
+        if source.kind == "run":
+            base, why = run_hf_files(os.path.dirname(os.path.dirname(source.directory)))
+        if base is None and not no_tokenizer:
+            raise CheckpointError(f"{src}: no tokenizer for the Hugging Face output: {why}; pass --base HF_DIR "
+                                  "(the HF directory it started from), or --no-tokenizer to write the weights "
+                                  "without one")
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
@@ -167,19 +175,33 @@ def convert(
                          policy.config.param_dtype, _tree_bytes(dst))
 
 
-def _run_base(config_file: str) -> str | None:
-    """The HF files of the checkpoint a run started from (its config's `pretrained.path`: an HF directory, or
-    a policy checkpoint's `hf_files/`); None for a run trained from scratch or whose checkpoint is gone."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def run_hf_files(run: str) -> tuple[str | None, str]:
+    """`(directory, why)`: the HF files (tokenizer, generation config, token ids) of the `pretrained.path` a
+    run's `config.yaml` names: that HF directory, or the `hf_files/` of a policy checkpoint there; `(None,
+    why not)` when the run started from random weights (its sentencepiece `tokenizer.model` is no HF
+    tokenizer), its `pretrained.path` is gone, or holds no tokenizer files."""
+    config_file = os.path.join(run, "config.yaml")
+    # only this key is read (as `_run_model_config` reads only the model): the whole config would import the
+    # run's custom pieces (`imports:`, `module:function`), which converting its weights does not need
     data = configlib.load_yaml(config_file) or {}
     pretrained = data.get("pretrained") if isinstance(data, dict) else None
     path = pretrained.get("path") if isinstance(pretrained, dict) else None
-    if not path:
-        return None
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    for candidate in (path, os.path.join(path, HF_FILES_DIR)):
-        if os.path.isfile(os.path.join(candidate, "config.json")):
-            return candidate
-    return None
+    if path is not None and not isinstance(path, str):
+        raise configlib.ConfigError(f"{config_file}: pretrained.path: expected a str, got {path!r}")
+    if path is None:
+        return None, (f"the run ({config_file}) trained from random weights with its own sentencepiece "
+                      "tokenizer, which a Hugging Face directory does not carry")
+    path = os.path.abspath(os.path.expanduser(path))
+    candidates = (path, os.path.join(path, HF_FILES_DIR))
+    directory = next((c for c in candidates if os.path.isfile(os.path.join(c, "config.json"))), None)
+    if directory is None:
+        return None, f"its pretrained.path {path} ({config_file}) is not a Hugging Face directory here"
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return None, f"its pretrained.path {directory} ({config_file}) holds no tokenizer files"
+    return directory, ""
 
 
 def _check_destination(source: Source, dst: str, overwrite: bool) -> None:

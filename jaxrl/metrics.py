@@ -7,9 +7,12 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxrl import registry
 
 
 def to_python(value: Any) -> Any:
@@ -36,41 +39,27 @@ class MetricsWriter:
     """Appends one JSON object per call to `path`; each line is flushed so nothing is lost on a crash.
 
     Wall-clock durations go to `timings_path` (with the record's `phase` and `step`) instead, so that two runs
-    of the same seed write identical metrics files. With `tensorboard_dir`, every numeric value is also written
-    as a TensorBoard scalar `<phase>/<key>` at its `step` (tensorboardX event files). The event files mirror the
-    two JSONL files: opening a writer rebuilds them from the records already there (those a resumed run kept),
-    so the steps a resumed run writes again do not show twice in TensorBoard.
+    of the same seed write identical metrics files. Each of `mirrors` (objects with `write(record)` and
+    `close()`, such as the registered writers `tensorboard` and `wandb`: see `build_mirrors`) gets every whole
+    record, durations included. A mirror mirrors the two JSONL files: opening a writer first replays the records
+    already there (those a resumed run kept) to each mirror, so the steps a resumed run writes again do not
+    show twice.
     """
 
     def __init__(self, path: str | os.PathLike, timings_path: str | os.PathLike | None = None,
-                 tensorboard_dir: str | os.PathLike | None = None):
-        self._tensorboard = None
-        if tensorboard_dir is not None:
-            shutil.rmtree(tensorboard_dir, ignore_errors=True)
-            self._tensorboard = tensorboard_writer(tensorboard_dir)
-            for kept in (path, timings_path):
-                if kept is not None and os.path.exists(kept):
-                    for record in read_metrics(kept, torn_tail_ok=True):
-                        self._mirror(record)
-            self._tensorboard.flush()
+                 mirrors: Sequence[Any] = ()):
+        self._mirrors = list(mirrors)
+        if self._mirrors and os.path.exists(path):
+            for record in kept_records(path, timings_path):
+                for mirror in self._mirrors:
+                    mirror.write(record)
         self._file = open(path, "a", encoding="utf-8")
         self._timings = None if timings_path is None else open(timings_path, "a", encoding="utf-8")
 
-    def _mirror(self, record: dict[str, Any]) -> None:
-        """Its numeric values as TensorBoard scalars (none for a record without a step)."""
-        if "step" not in record:
-            return
-        phase = record.get("phase", "run")
-        for key, value in record.items():
-            if key not in ("phase", "step", "final") and isinstance(value, (int, float)) \
-                    and not isinstance(value, bool):
-                self._tensorboard.add_scalar(f"{phase}/{key}", value, global_step=record["step"])
-
     def write(self, record: dict[str, Any]) -> None:
         record = {k: to_python(v) for k, v in record.items()}
-        if self._tensorboard is not None:
-            self._mirror(record)
-            self._tensorboard.flush()
+        for mirror in self._mirrors:
+            mirror.write(record)
         if self._timings is not None:
             timings = {k: v for k, v in record.items() if is_wall_clock(k)}
             record = {k: v for k, v in record.items() if not is_wall_clock(k)}
@@ -82,8 +71,8 @@ class MetricsWriter:
         self._file.flush()
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for mirror in self._mirrors:
+            mirror.close()
         self._file.close()
         if self._timings is not None:
             self._timings.close()
@@ -95,13 +84,121 @@ class MetricsWriter:
         self.close()
 
 
+def kept_records(path: str | os.PathLike, timings_path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """The records of `path` as they were written, each with its wall-clock durations from `timings_path` put
+    back (matched by phase, step and final)."""
+    records = read_metrics(path, torn_tail_ok=True)
+    if timings_path is None or not os.path.exists(timings_path):
+        return records
+    key = lambda r: (r.get("phase"), r.get("step"), bool(r.get("final")))  # noqa: E731
+    timings = {key(t): {k: v for k, v in t.items() if is_wall_clock(k)}
+               for t in read_metrics(timings_path, torn_tail_ok=True)}
+    return [{**r, **timings.get(key(r), {})} for r in records]
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's numbers (no bools, no None) as `<phase>/<key>`, e.g. `rl/reward/mean`, `sft/loss`; `{}` for
+    a record without a step. Both mirrors log these names, each at `<phase>/step`."""
+    if "step" not in record:
+        return {}
+    phase = record.get("phase", "run")
+    return {f"{phase}/{key}": value for key, value in record.items()
+            if key not in ("phase", "step", "final") and isinstance(value, (int, float))
+            and not isinstance(value, bool)}
+
+
+def build_mirrors(config, output_dir: str | os.PathLike) -> list[Any]:
+    """The metrics mirrors a run's config turns on (`tensorboard: true`, `wandb: true`), each the registered
+    writer of that name built on `<output_dir>/<name>`. Only the primary process should build them."""
+    from jaxrl import registry
+
+    enabled = [name for name in ("tensorboard", "wandb") if getattr(config, name)]
+    return [registry.resolve("writer", name, name).fn(os.path.join(os.fspath(output_dir), name), config)
+            for name in enabled]
+
+
+class TensorBoardMirror:
+    """Every scalar of a record as a TensorBoard scalar `<phase>/<key>` at its `step` (tensorboardX event files
+    in `directory`, which it empties first: `MetricsWriter` replays the kept records)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        shutil.rmtree(directory, ignore_errors=True)
+        self._writer = tensorboard_writer(directory)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in scalars(record).items():
+            self._writer.add_scalar(key, value, global_step=record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+@registry.register("writer", "tensorboard")
+def tensorboard_mirror(directory: str, config) -> TensorBoardMirror:
+    """`tensorboard: true`: TensorBoard event files under `<output_dir>/tensorboard`."""
+    return TensorBoardMirror(directory)
+
+
+class WandbMirror:
+    """Every scalar of a record logged to a Weights & Biases run as `<phase>/<key>` (`rl/reward/mean`,
+    `sft/loss`, the same names as in TensorBoard) against the step metric `<phase>/step`, so that the warm start's
+    steps and the RL steps never collide (and a resumed run may log a step again: wandb's own `_step` is not
+    used). Records without a step are not logged.
+
+    `run`: a started `wandb` run (`wandb.init(...)`); see `wandb_mirror` for how the config starts one."""
+
+    def __init__(self, run):
+        self._run, self._phases = run, set()
+
+    def write(self, record: dict[str, Any]) -> None:
+        values = scalars(record)
+        if not values:
+            return
+        phase = record.get("phase", "run")
+        if phase not in self._phases:
+            self._run.define_metric(f"{phase}/step")
+            self._run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+            self._phases.add(phase)
+        self._run.log({f"{phase}/step": record["step"], **values})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+@registry.register("writer", "wandb")
+def wandb_mirror(directory: str, config) -> WandbMirror:
+    """`wandb: true`: a wandb run named `log.wandb_name` (default: output_dir's basename) in project
+    `log.wandb_project`, in mode `log.wandb_mode` (None: wandb's default or `WANDB_MODE`), its files under
+    `directory` (`<output_dir>/wandb`), with the resolved config as the run's config. Each start of a run,
+    a resumed one too, is a new wandb run that first gets the records already in metrics.jsonl."""
+    try:
+        import wandb
+    except ImportError as e:
+        from jaxrl.extras import MissingExtra, install_command
+        raise MissingExtra(f"wandb: true needs the wandb package: {install_command('wandb')}") from e
+    from jaxrl.configlib import to_dict
+
+    os.makedirs(directory, exist_ok=True)
+    log = config.log
+    name = log.wandb_name or os.path.basename(os.path.normpath(os.path.abspath(config.output_dir)))
+    settings = {} if log.wandb_mode is None else {"mode": log.wandb_mode}
+    # wandb writes into a `wandb/` folder of the directory it is given: `directory` itself when it is named so
+    parent = os.path.dirname(os.path.abspath(directory)) if os.path.basename(directory) == "wandb" else directory
+    # reinit="create_new" (wandb >= 0.19.10): a notebook calling loop.run twice gets two runs, not a reused one
+    run = wandb.init(project=log.wandb_project, name=name, dir=parent, config=to_dict(config),
+                     reinit="create_new", **settings)
+    return WandbMirror(run)
+
+
 def tensorboard_writer(directory: str | os.PathLike):
     """A tensorboardX `SummaryWriter` writing event files into `directory`."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError as e:
-        raise ImportError("tensorboard=true needs the tensorboardX package: pip install 'jaxrl[tensorboard]' "
-                          "(or tensorboardX)") from e
+        from jaxrl.extras import MissingExtra, install_command
+        raise MissingExtra(f"tensorboard: true needs the tensorboardX package: {install_command('tensorboard')}") \
+            from e
     return SummaryWriter(logdir=os.fspath(directory), flush_secs=10)
 
 

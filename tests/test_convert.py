@@ -181,7 +181,11 @@ def test_a_flipped_byte_in_a_run_checkpoint_is_refused_by_load_policy(tmp_path):
 def test_run_to_hf_with_and_without_base(tmp_path):
     run = tmp_path / "run"
     expected = make_run(run, "gemma3")
-    result = convert(run, tmp_path / "plain")
+    # a run from random weights has no HF tokenizer: refused loudly, naming --base, unless asked for
+    with pytest.raises(CheckpointError, match=r"no tokenizer for the Hugging Face output: .*random weights.*--base"):
+        convert(run, tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
+    result = convert(run, tmp_path / "plain", no_tokenizer=True)
     assert result.to == "hf" and result.source.step == 3
     assert not (tmp_path / "plain" / "generation_config.json").exists()  # a run names no HF origin
     assert_same_params(models.from_pretrained(tmp_path / "plain", progress=False), expected)
@@ -193,8 +197,29 @@ def test_run_to_hf_with_and_without_base(tmp_path):
     assert config["eos_token_id"] == json.loads(open(os.path.join(fixture("gemma3"), "config.json")).read())[
         "eos_token_id"]
     # The run's own directory may hold the output (it does not contain the source's files).
-    convert(run, run / "hf")
+    convert(run, run / "hf", no_tokenizer=True)
     assert describe_source(run).kind == "run"
+
+
+def test_run_to_hf_takes_the_tokenizer_from_the_runs_pretrained_path(tmp_path, capsys):
+    """Without --base, a run started from an HF directory (`pretrained.path` in its config.yaml) converts with
+    that directory's tokenizer and HF files; a pretrained.path without tokenizer files is refused, naming it."""
+    origin = tmp_path / "origin"
+    shutil.copytree(fixture("qwen2"), origin)
+    run = tmp_path / "run"
+    make_run(run, "qwen2")
+    saved = configlib.load_config(Config, run / "config.yaml")
+    (run / "config.yaml").write_text(configlib.dump_yaml(
+        configlib.replace_path(saved, "pretrained.path", str(origin))))
+    (run / RUN_MODEL_FILE).write_text(configlib.dump_yaml(saved.model))  # as a run from pretrained.path writes
+    err = cli_error(capsys, run, tmp_path / "bare")
+    assert f"its pretrained.path {origin}" in err and "holds no tokenizer files" in err and "--base" in err
+    (origin / "tokenizer.json").write_text('{"model": "a tokenizer"}')
+    (origin / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    assert cli.main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_text() == (origin / name).read_text(), name
+    assert cli.main(["convert", str(run), str(tmp_path / "hf2"), "--no-tokenizer"]) == 0
 
 
 # ----------------------------------------------------------------------------- CLI

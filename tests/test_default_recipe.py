@@ -51,9 +51,9 @@ def _tensorboard_scalars(directory) -> list[tuple[str, int, float]]:
 
 def test_metrics_writer_mirrors_scalars_to_tensorboard(tmp_path):
     """`tensorboard=true`: every numeric metric of a record becomes a scalar `<phase>/<key>` at its step."""
-    from jaxrl.metrics import MetricsWriter
+    from jaxrl.metrics import MetricsWriter, TensorBoardMirror
 
-    with MetricsWriter(tmp_path / "m.jsonl", tmp_path / "t.jsonl", tmp_path / "tb") as writer:
+    with MetricsWriter(tmp_path / "m.jsonl", tmp_path / "t.jsonl", [TensorBoardMirror(tmp_path / "tb")]) as writer:
         writer.write({"phase": "rl", "step": 3, "reward/mean": 0.25, "train/entropy": 1.5, "time/sample_s": 0.1,
                       "note": "text is skipped"})
         writer.write({"phase": "sft", "step": 7, "train/loss": 2.0})
@@ -66,17 +66,17 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
     """A resumed run truncates its records to the checkpoint and writes the later steps again: the event files
     are rebuilt from the kept records, so every (tag, step) appears once, with the resumed run's value, and the
     warm-start (SFT) steps survive."""
-    from jaxrl.metrics import MetricsWriter
+    from jaxrl.metrics import MetricsWriter, TensorBoardMirror
 
-    paths = tmp_path / "m.jsonl", tmp_path / "t.jsonl", tmp_path / "tb"
-    with MetricsWriter(*paths) as writer:
+    paths = tmp_path / "m.jsonl", tmp_path / "t.jsonl"
+    with MetricsWriter(*paths, [TensorBoardMirror(tmp_path / "tb")]) as writer:
         writer.write({"phase": "sft", "step": 5, "train/loss": 2.0})
         for step in (1, 2, 3):
             writer.write({"phase": "rl", "step": step, "reward/mean": float(step), "time/step_s": 0.5})
-    for path in paths[:2]:  # what the loop keeps when it resumes after RL step 1
+    for path in paths:  # what the loop keeps when it resumes after RL step 1
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(line for line in lines if '"step": 2' not in line and '"step": 3' not in line))
-    with MetricsWriter(*paths) as writer:
+    with MetricsWriter(*paths, [TensorBoardMirror(tmp_path / "tb")]) as writer:
         for step in (2, 3):
             writer.write({"phase": "rl", "step": step, "reward/mean": 10.0 * step, "time/step_s": 0.25})
     scalars = _tensorboard_scalars(tmp_path / "tb")

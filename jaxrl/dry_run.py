@@ -1,0 +1,170 @@
+"""`jaxrl train CONFIG --print-config` and `jaxrl train CONFIG --dry-run`: look at a run before starting it.
+
+`describe_config(config)`: every key with its type, bounds, default and value (`configlib.describe`), and for
+the fields that name registry pieces the registered choices.
+
+`dry_run(config)`: checks what a run would refuse, without loading weights or writing anything: the optional
+extras, the output directory, the data files, the batch sizes against the mesh, the tokenizer and the prompt
+template (the first rendered prompt exactly as the model sees it, chat template included), the rewards (the
+first train row's reference scored as a completion through a one-worker pool) and the loss. Without
+`pretrained.path` the run's sentencepiece tokenizer is trained on the task's text, as the run would (a few
+seconds). It returns the report's lines and whether every check passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jaxrl import configlib, registry
+
+__all__ = ["describe_config", "registry_choices", "dry_run", "report", "Check"]
+
+
+def registry_choices(config) -> dict[str, str]:
+    """Dotted field -> `one of <registered names>, or module:function`, for every field that names a piece."""
+    return {field: f"one of {', '.join(registry.names(entry.kind))}, or module:function"
+            for field, entry in config.pieces().items()}
+
+
+def describe_config(config) -> str:
+    """The resolved config as YAML-like lines: each key's value, type, bounds and default, values that differ
+    from the default marked `(changed)`, and the choices of fields that name registry pieces."""
+    return configlib.describe(config, registry_choices(config))
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the dry run's report: `ok` (or failed), what was checked and what it found."""
+
+    name: str
+    ok: bool
+    detail: str
+    lines: tuple[str, ...] = ()  # shown below the line (e.g. the rendered prompt)
+
+
+def _check(name: str, checks: list[Check], step: Callable[[], tuple[str, tuple[str, ...]] | str]) -> bool:
+    """Run `step`; record its result (a detail, or a detail and extra lines) or its error as a failed check."""
+    try:
+        result = step()
+    except Exception as e:  # noqa: BLE001 - every refusal of a check is a failed line of the report
+        checks.append(Check(name, False, f"{type(e).__name__}: {e}" if not str(e) else str(e)))
+        return False
+    detail, lines = (result, ()) if isinstance(result, str) else result
+    checks.append(Check(name, True, detail, tuple(lines)))
+    return True
+
+
+def dry_run(config) -> tuple[list[Check], bool]:
+    """`(checks, all passed)`: the checks of a run of `config` that need no model weights (see the module
+    docstring). Writes nothing."""
+    # the run loop's pieces, looked up here only (the loop is a package being split: one place to repoint)
+    from jaxrl import loop
+
+    load_task, check_batch_sizes = loop.load_task, loop.check_batch_sizes
+    check_fresh_output_dir, resume_point = loop._check_fresh_output_dir, loop.resume_point
+    checkpoint_tokenizer, generator = loop._load_checkpoint_tokenizer, loop._generator
+    from jaxrl import losses, rewards
+    from jaxrl.extras import check_extras
+    from jaxrl.sharding import data_shard, layout_from
+    from jaxrl.tokenizer import train_tokenizer
+
+    config = dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir))
+    checks: list[Check] = []
+    state: dict[str, Any] = {}
+
+    _check("extras", checks, lambda: (check_extras(config), "installed: " + (
+        ", ".join(k for k in ("tensorboard", "wandb") if getattr(config, k)) or "none needed"))[1])
+    _check("output_dir", checks, lambda: _output_dir(config, check_fresh_output_dir, resume_point))
+
+    def data():
+        state["train"], state["eval"], state["corpus"], counts = load_task(config)
+        if config.data.train_file is None:
+            return f"built-in arithmetic task: {len(state['train'])} train, {len(state['eval'])} held-out problems"
+        return (f"{config.data.train_file}: {counts['data_train_rows']} rows ({counts['data_train_bad_rows_skipped']}"
+                f" bad skipped); {config.data.eval_file}: {counts['data_eval_rows']} rows "
+                f"({counts['data_eval_bad_rows_skipped']} bad skipped)")
+
+    has_data = _check("data", checks, data)
+
+    def batches():
+        mesh = layout_from(config.mesh).mesh
+        state["mesh"] = mesh
+        check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
+        return (f"mesh {dict(mesh.shape)}: {config.rl.prompts_per_step} prompts x {config.rl.group_size} "
+                f"samples per step, eval batch {config.eval.batch_size}")
+
+    has_mesh = _check("batch sizes", checks, batches)
+
+    def template():
+        if config.pretrained.path is None:
+            if config.tokenizer.path is not None or config.data.chat_template:
+                raise ValueError("tokenizer.path and data.chat_template need pretrained.path: a randomly "
+                                 "initialised model trains with the sentencepiece tokenizer trained for it")
+            tokenizer, where = train_tokenizer(state["corpus"], config.tokenizer.vocab_size,
+                                               stop_tokens=config.tokenizer.stop_tokens), "trained on the task"
+        else:
+            tokenizer, where = checkpoint_tokenizer(config.pretrained.path, config, "pretrained.path")
+        generate = generator(state["train"] + state["eval"], tokenizer, state["mesh"], config)
+        first = generate.render(state["train"][0].prompt)
+        return (f"tokenizer {where} ({tokenizer.vocab_size} tokens); prompts padded to "
+                f"{list(generate.prompt_lengths)} tokens; the first prompt as the model sees it:",
+                tuple("    | " + line for line in first.split("\n")))
+
+    if has_data and has_mesh:
+        _check("template", checks, template)
+
+    def reward():
+        entry = config.pieces()["reward.function"]
+        first = state["train"][0]
+        with rewards.RewardPool(entry.fn, num_workers=1, timeout_s=config.reward.timeout_s) as pool:
+            result = pool.score([str(first.reference)], [first.reference])
+        if result.timeouts or result.errors:
+            raise ValueError(f"reward.function {config.reward.function!r} ({entry.source}) failed on the first "
+                             f"train row's reference: {result.timeouts} timeouts, {result.errors} errors")
+        value = float(result.rewards[0])
+        return (f"{config.reward.function} ({entry.source}): the first train row's reference, scored as a "
+                f"completion: {value:g}" + (" (a reward that wants a format, such as '#### 7', scores the bare "
+                                            "reference 0)" if value == 0 else ""))
+
+    if has_data:
+        _check("reward", checks, reward)
+
+    def loss():
+        losses.build_loss(config.rl.loss, with_critic=config.rl.critic.model != "none")
+        pieces = {f: e.name for f, e in config.pieces().items() if f != "reward.function"}
+        return ", ".join(f"{field.removeprefix('rl.loss.')}={name}" for field, name in pieces.items())
+
+    _check("loss", checks, loss)
+    return checks, all(c.ok for c in checks)
+
+
+def _output_dir(config, check_fresh_output_dir, resume_point) -> str:
+    out = config.output_dir
+    if config.resume:
+        step = resume_point(config)
+        what = f"resumes the run in {out} after RL step {step}"
+    else:
+        check_fresh_output_dir(config)
+        what = f"a fresh run in {out}" + (" (replacing the run there: overwrite=true)" if config.overwrite else "")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"output_dir {out}: {existing} is not a writable directory")
+    return what + ("" if existing == os.path.abspath(out) else f" (created in {existing})")
+
+
+def report(checks: list[Check]) -> str:
+    """The dry run's report: one line per check (`ok` or `FAILED`), extra lines below."""
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{'ok    ' if c.ok else 'FAILED'} {c.name:<{width}}  {c.detail}")
+        lines.extend(c.lines)
+    passed = sum(c.ok for c in checks)
+    lines.append(f"{passed}/{len(checks)} checks passed" + ("" if passed == len(checks) else
+                                                            "; the run would stop at the first failed one"))
+    return "\n".join(lines) + "\n"
