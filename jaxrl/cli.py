@@ -28,7 +28,8 @@ def _train(args: argparse.Namespace) -> int:
     from jaxrl.loop import run
 
     summary = run(config, config_source=args.config or "")
-    keys = ("accuracy_before_rl", "accuracy_after_rl", "accuracy_gain", "num_eval_problems",
+    metric = "accuracy" if "accuracy_before_rl" in summary else "reward"  # named after the evaluation's reward
+    keys = (f"{metric}_before_rl", f"{metric}_after_rl", f"{metric}_gain", "eval_reward", "num_eval_problems",
             "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
     print(f"outputs in {config.output_dir}/ (summary.json, metrics.jsonl, reward_accuracy.png, checkpoints/)")

@@ -60,14 +60,16 @@ def _check(name: str, checks: list[Check], step: Callable[[], tuple[str, tuple[s
 def dry_run(config) -> tuple[list[Check], bool]:
     """`(checks, all passed)`: the checks of a run of `config` that need no model weights (see the module
     docstring). Writes nothing."""
-    # the run loop's pieces, looked up here only (the loop is a package being split: one place to repoint)
-    from jaxrl import loop
+    from jaxrl.loop import outputs, setup
+    from jaxrl.loop.resume import resume_point
 
-    load_task, check_batch_sizes = loop.load_task, loop.check_batch_sizes
-    check_fresh_output_dir, resume_point = loop._check_fresh_output_dir, loop.resume_point
-    checkpoint_tokenizer, generator = loop._load_checkpoint_tokenizer, loop._generator
-    from jaxrl import losses, rewards
+    load_task, check_batch_sizes = setup.load_task, setup.check_batch_sizes
+    check_fresh_output_dir = outputs.check_fresh_output_dir
+    checkpoint_tokenizer, generator = setup.load_checkpoint_tokenizer, setup.make_generator
+    from jaxrl import losses
     from jaxrl.extras import check_extras
+    from jaxrl.loop.rollout import row_of
+    from jaxrl.rewards.scoring import RewardScorer
     from jaxrl.sharding import data_shard, layout_from
     from jaxrl.tokenizer import train_tokenizer
 
@@ -108,7 +110,7 @@ def dry_run(config) -> tuple[list[Check], bool]:
         else:
             tokenizer, where = checkpoint_tokenizer(config.pretrained.path, config, "pretrained.path")
         generate = generator(state["train"] + state["eval"], tokenizer, state["mesh"], config)
-        first = generate.render(state["train"][0].prompt)
+        first = generate.render(state["train"][0])
         return (f"tokenizer {where} ({tokenizer.vocab_size} tokens); prompts padded to "
                 f"{list(generate.prompt_lengths)} tokens; the first prompt as the model sees it:",
                 tuple("    | " + line for line in first.split("\n")))
@@ -117,17 +119,20 @@ def dry_run(config) -> tuple[list[Check], bool]:
         _check("template", checks, template)
 
     def reward():
-        entry = config.pieces()["reward.function"]
         first = state["train"][0]
-        with rewards.RewardPool(entry.fn, num_workers=1, timeout_s=config.reward.timeout_s) as pool:
-            result = pool.score([str(first.reference)], [first.reference])
-        if result.timeouts or result.errors:
-            raise ValueError(f"reward.function {config.reward.function!r} ({entry.source}) failed on the first "
-                             f"train row's reference: {result.timeouts} timeouts, {result.errors} errors")
-        value = float(result.rewards[0])
-        return (f"{config.reward.function} ({entry.source}): the first train row's reference, scored as a "
-                f"completion: {value:g}" + (" (a reward that wants a format, such as '#### 7', scores the bare "
-                                            "reference 0)" if value == 0 else ""))
+        config_one = dataclasses.replace(config, reward=dataclasses.replace(config.reward, num_workers=1))
+        with RewardScorer.from_config(config_one) as scorer:
+            scored = scorer.score([str(first.reference)], [first.reference], prompts=[first.prompt],
+                                  rows=[row_of(first)])
+        failed = {name: (r.timeouts, r.errors) for name, r in scored.results.items() if r.timeouts or r.errors}
+        if failed:
+            raise ValueError("rewards failed on the first train row's reference (timeouts, errors): " + ", ".join(
+                f"{name} {counts}" for name, counts in failed.items()))
+        values = ", ".join(f"{config.reward.function if name == 'correct' else name} = {float(v[0]):g}"
+                           for name, v in scored.components.items())
+        zero = float(scored.rewards[0]) == 0
+        return (f"the first train row's reference, scored as a completion: {values}" +
+                (" (a reward that wants a format, such as '#### 7', scores the bare reference 0)" if zero else ""))
 
     if has_data:
         _check("reward", checks, reward)

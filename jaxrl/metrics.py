@@ -223,7 +223,8 @@ def read_metrics(path: str | os.PathLike, *, torn_tail_ok: bool = False) -> list
 
 
 def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> None:
-    """PNG of training reward (per step, and smoothed) and held-out greedy accuracy against RL step.
+    """PNG of training reward (per step, and smoothed) and the held-out greedy accuracy (or mean reward, for an
+    evaluation reward that is not right-or-wrong) against RL step.
 
     Drawn on a standalone `Figure` (no pyplot): the process's matplotlib backend is left as it was, so a
     notebook that calls `loop.run` keeps showing its own plots inline.
@@ -231,7 +232,8 @@ def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str 
     from matplotlib.figure import Figure
 
     rl = [r for r in records if r.get("phase") == "rl" and r.get("reward/mean") is not None]
-    evals = [r for r in records if r.get("eval/accuracy") is not None]
+    key = "eval/accuracy" if any(r.get("eval/accuracy") is not None for r in records) else "eval/reward"
+    evals = [r for r in records if r.get(key) is not None]
     fig = Figure(figsize=(7, 4), dpi=120)
     ax = fig.subplots()
     if rl:
@@ -242,11 +244,11 @@ def plot_run(records: list[dict[str, Any]], path: str | os.PathLike, title: str 
         smooth = np.convolve(reward, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1:], smooth, color="tab:blue", lw=2, label="train reward (sampled, T=1)")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", color="tab:red", lw=2,
-                label="held-out greedy accuracy")
+        ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", color="tab:red", lw=2,
+                label=f"held-out greedy {key.removeprefix('eval/')}")
     ax.set_xlabel("RL step")
     # [0, 1] (accuracy's range), widened to show shaped rewards outside it (e.g. an overlong penalty of -1)
-    values = [r["reward/mean"] for r in rl] + [r["eval/accuracy"] for r in evals]
+    values = [r["reward/mean"] for r in rl] + [r[key] for r in evals]
     ax.set_ylim(min([0, *values]), max([1, *values]))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -1,4 +1,5 @@
-"""One registry for the pieces a config names: objectives, ratios, advantage estimators, rewards, writers.
+"""One registry for the pieces a config names: objectives, ratios, advantage estimators, loss terms, rewards
+and metrics writers.
 
 A piece is registered by a decorator that records its name, its signature and what it needs:
 
@@ -19,6 +20,8 @@ Kinds, and the call a piece of each kind gets:
 - `ratio`: `(logp, old_logp, mask) -> log_ratio [B, N]`.
 - `advantage`: `(inputs: AdvantageInputs, config: AdvantageConfig)` (by name) `-> advantages [B] or [B, N]`, or
   `(advantages [B, N], returns [B, N])` (see `jaxrl.advantages`).
+- `term`: `(inputs: LossInputs, norm: Normalizers, controls: Controls) -> (scalar, metrics)`: a loss term added
+  to the configured loss (`rl.loss.terms`, see `jaxrl.losses.compose`).
 - `reward`: per completion, any of `prompt, completion, reference, row` by name `-> float`; or batched, any of
   `prompts, completions, references, rows` (lists) `-> sequence of floats`. A class is instantiated once per
   reward worker (no arguments) and its instances called like a function (a reward model, a judge).
@@ -65,6 +68,7 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "objective": ("log_ratio", "advantages", "logp", "mask", "eps_low", "eps_high", "dual_clip_c"),
     "ratio": ("logp", "old_logp", "mask"),
     "advantage": ("inputs", "config"),
+    "term": ("inputs", "norm", "controls"),
     "reward": (),
     "writer": ("directory", "config"),
 })

@@ -26,7 +26,7 @@ from jaxrl.train import (by_micro_batches, completion_logprobs, critic_values, i
                          make_rl_gradients)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reward_fns  # noqa: E402
+import loss_pieces  # noqa: E402
 
 MODEL = models.ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                            intermediate_size=64)
@@ -171,10 +171,10 @@ TINY = [
 ]
 
 
-def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
-    """A few RL steps of the default recipe (tiny sizes) with a reward that varies inside every group;
-    returns the RL records and the (before, after) parameters of every update."""
-    monkeypatch.setitem(loop.REWARD_FUNCTIONS, "arithmetic", reward_fns.length_parity)
+def _run(tmp_path, monkeypatch, *overrides):
+    """A few RL steps of the default recipe (tiny sizes) with a reward that varies inside every group (the
+    held-out evaluation keeps the task's reward); returns the RL records and the (before, after) parameters of
+    every update."""
     updates = []
     real_update = rl.rl_update
 
@@ -185,8 +185,10 @@ def _run(tmp_path, monkeypatch, *overrides, loss=None, advantage_fn=None):
         return new_state, metrics
 
     monkeypatch.setattr(rl, "rl_update", spy)
-    config = load_config(Config, "configs/default.yaml", [*TINY, f"output_dir={tmp_path}", *overrides])
-    loop.run(config, loss=loss, advantage_fn=advantage_fn)
+    config = load_config(Config, "configs/default.yaml", [
+        *TINY, f"output_dir={tmp_path}", "reward.function=reward_fns:length_parity", "eval.reward=arithmetic",
+        *overrides])
+    loop.run(config)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
     return records, updates
 
@@ -218,30 +220,13 @@ def test_every_preset_runs_the_default_recipe(preset, tmp_path, monkeypatch):
 
 def test_a_new_variant_defined_here_trains_through_the_normal_trainer(tmp_path, monkeypatch):
     """A variant the library does not have: a rank-based group advantage, a soft-clipped ("tanh")
-    surrogate and a squared-log-ratio penalty, written here as one estimator, one objective and one term,
-    then trained with `loop.run(config, loss=..., advantage_fn=...)`."""
-    calls = []
-
-    def rank_advantage(rewards, mask, group_size, *, entropy, values, token_penalty):
-        grouped = rewards.reshape(-1, group_size)
-        ranks = jnp.argsort(jnp.argsort(grouped, axis=1), axis=1).astype(jnp.float32)  # 0 = worst
-        calls.append("advantage")
-        return (ranks / (group_size - 1) - 0.5).reshape(-1)  # [B], in [-0.5, 0.5]
-
-    def tanh_surrogate(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c):
-        calls.append(log_ratio.shape)
-        ratio = jnp.exp(log_ratio)
-        soft = 1.0 + eps_high * jnp.tanh((ratio - 1.0) / eps_high)  # smooth stand-in for the hard clip
-        return -soft * advantages, {"soft_ratio": soft}
-
-    def squared_log_ratio_penalty(inputs, norm, controls):
-        per_token = 0.5 * jnp.square(inputs.logp - jax.lax.stop_gradient(inputs.old_logp))
-        value = losses.aggregate(per_token, inputs.mask, "seq-mean-token-sum", norm)
-        return 0.05 * value, {"sq_log_ratio": losses.token_mean(per_token, inputs.mask, norm)}
-
-    loss = losses.combine(losses.policy_term(tanh_surrogate, aggregation="token-mean", eps_high=0.3),
-                          squared_log_ratio_penalty)
-    records, updates = _run(tmp_path, monkeypatch, "rl.epochs=2", loss=loss, advantage_fn=rank_advantage)
+    surrogate and a squared-log-ratio penalty, registered by name in tests/loss_pieces.py (one estimator, one
+    objective, one term) and named in the config, then trained by the normal trainer."""
+    loss_pieces.CALLS.clear()
+    calls = loss_pieces.CALLS
+    records, updates = _run(tmp_path, monkeypatch, "rl.epochs=2", "imports=[loss_pieces]",
+                            "rl.loss.advantage.estimator=test_rank", "rl.loss.objective=test_tanh_surrogate",
+                            "rl.loss.clip_eps_high=0.3", "rl.loss.terms=[test_sq_log_ratio]")
     assert "advantage" in calls and calls.count("advantage") < len(calls), "both pieces were traced"
     assert len(updates) == 2
     for before, after in updates:
@@ -465,17 +450,12 @@ def test_the_run_stops_after_too_many_consecutive_non_finite_steps(tmp_path, mon
     stop the run with the step numbers and the setting, and the process gets its SIGTERM handler back."""
     import signal
 
-    grpo = losses.build_loss(LossConfig(preset="grpo"))
     handler = signal.getsignal(signal.SIGTERM)
-
-    def always_nan(inputs, norm, controls):
-        value, metrics = grpo(inputs, norm, controls)
-        return value * jnp.nan, metrics
-
     with pytest.raises(loop.TrainingDiverged, match=r"RL steps 1..2: 2 consecutive steps with non-finite loss, "
                                                     r"gradients or updated parameters \(rl.max_consecutive_skips = "
                                                     r"2\)"):
-        _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", loss=always_nan)
+        _run(tmp_path, monkeypatch, "rl.steps=4", "rl.max_consecutive_skips=2", "imports=[loss_pieces]",
+             "rl.loss.terms=[test_nan]")
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/skipped" in r]
     assert [(r["step"], r["train/skipped"], r["train/grad_norm"]) for r in records] == [(1, 1.0, None)]
     assert signal.getsignal(signal.SIGTERM) is handler

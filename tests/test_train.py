@@ -16,7 +16,6 @@ from jaxrl.configlib import load_config
 from jaxrl.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reward_fns  # noqa: E402
 
 TINY = [
     "model.hidden_size=32", "model.num_layers=2", "model.head_dim=8", "model.intermediate_size=64",
@@ -71,8 +70,8 @@ def test_rl_update_changes_parameters_with_finite_metrics(tmp_path):
 
 
 def test_reward_function_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setitem(loop.REWARD_FUNCTIONS, "arithmetic", reward_fns.flaky_arithmetic)
-    config = tiny_config(tmp_path, "rl.steps=2", "eval.every=0", "reward.timeout_s=0.5")
+    config = tiny_config(tmp_path, "rl.steps=2", "eval.every=0", "reward.timeout_s=0.5",
+                         "reward.function=reward_fns:flaky_arithmetic")
     summary = loop.run(config)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "reward/mean" in r]
     assert len(records) == 2
@@ -121,9 +120,9 @@ def test_remax_baseline_is_the_greedy_completion_shaped_like_the_samples(tmp_pat
     calls = []
     real = rollout.shaped_rewards
 
-    def spy(correct, texts, lengths, config):
-        out = real(correct, texts, lengths, config)
-        calls.append((np.asarray(correct), out.total))
+    def spy(scored, texts, lengths, config):
+        out = real(scored, texts, lengths, config)
+        calls.append((np.asarray(scored.rewards), out.total))
         return out
 
     monkeypatch.setattr(rollout, "shaped_rewards", spy)

@@ -18,10 +18,10 @@ from jaxrl.loop.held_out import evaluate, evaluate_checkpoint, evaluate_sampled
 from jaxrl.loop.resume import resume_point
 from jaxrl.loop.rl import LoopState, prompt_statistics, rl_step, rl_update, step_timing, update_controls
 from jaxrl.loop.rollout import RolloutResult, rollout_batch, shaped_rewards
-from jaxrl.loop.setup import REWARD_FUNCTIONS, RewardFn, check_batch_sizes, load_task, optimizer_from
+from jaxrl.loop.setup import check_batch_sizes, load_task, optimizer_from
 from jaxrl.loop.warm_start import warm_start
 
-__all__ = ["Generation", "Generator", "LoopState", "Preempted", "REWARD_FUNCTIONS", "RewardFn", "RolloutResult",
+__all__ = ["Generation", "Generator", "LoopState", "Preempted", "RolloutResult",
            "TrainingDiverged", "check_batch_sizes", "evaluate", "evaluate_checkpoint", "evaluate_sampled",
            "load_task", "optimizer_from", "prompt_length_buckets", "prompt_statistics", "resume_point",
            "rl_step", "rl_update", "rollout_batch", "run", "shaped_rewards", "step_timing", "update_controls",

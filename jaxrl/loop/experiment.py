@@ -13,16 +13,18 @@ from typing import Any
 
 import jax
 
-from jaxrl import configlib, models, rewards
+from jaxrl import configlib, models, registry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.errors import RunConfigError
-from jaxrl.losses import Term
-from jaxrl.losses.batch import AdvantageFn
+from jaxrl.data.demonstrations import demonstration_pairs
+from jaxrl.extras import check_extras
 from jaxrl.loop import held_out, outputs, resume, rl, setup
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.warm_start import warm_start
-from jaxrl.metrics import MetricsWriter, plot_run, read_metrics
+from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
+from jaxrl.rewards.scoring import RewardScorer
+from jaxrl.samples import open_sample_log
 from jaxrl.sharding import (allgather, data_shard, initialize_distributed, is_primary, layout_from,
                             wait_for_all_processes)
 
@@ -49,25 +51,18 @@ class Prepared:
     checkpointer: Checkpointer | None = None  # opened to resume
 
 
-def run(config: Config, config_source: str = "", loss: Term | None = None,
-        advantage_fn: AdvantageFn | None = None, reward_fn: setup.RewardFn | None = None) -> dict[str, Any]:
+def run(config: Config, config_source: str = "") -> dict[str, Any]:
     """Train the recipe end to end; writes everything under `config.output_dir`.
 
-    `loss` replaces the objective built from `config.rl.loss` (its batch preparation still follows the
-    config): any `(LossInputs, Normalizers, Controls) -> (loss, metrics)` term, see `jaxrl.losses`.
-    `advantage_fn` replaces the estimator of `config.rl.loss.advantage` (see `losses.batch.AdvantageFn`).
-    `reward_fn` replaces `config.reward.function` for training and the held-out evaluation: a
-    `(completion, reference) -> float` function that spawned reward workers can import by name (defined in
-    an importable module, not in `__main__`). The shaping of `config.reward` is composed with it as usual.
-    With `rl.steps=0` the run saves the warm-started policy as checkpoint 0, so that later runs can start
-    from it with `pretrained.path=<output_dir> sft.steps=0` (the run's tokenizer comes with it).
+    Every piece the run uses is named in `config` (built-in or the user's own: `reward.function`,
+    `reward.extra`, `rl.loss.objective`, `rl.loss.advantage.estimator`, ...; see `jaxrl.registry`), so the
+    run's `config.yaml` reproduces it. With `rl.steps=0` the run saves the warm-started policy as checkpoint
+    0, so that later runs can start from it with `pretrained.path=<output_dir> sft.steps=0` (the run's
+    tokenizer comes with it).
     """
-    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
-        raise RunConfigError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
-                             "model trains with the sentencepiece tokenizer trained for it")
+    config = checked(config)
     wall_start = time.perf_counter()
     initialize_distributed(config.distributed)  # a no-op unless this is one process of a multi-host job
-    config = dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir))  # "~/runs/x"
     resume_step = resume.resume_point(config) if config.resume else None
     if resume_step is None:
         outputs.check_fresh_output_dir(config)
@@ -77,37 +72,61 @@ def run(config: Config, config_source: str = "", loss: Term | None = None,
     times = {"data_time_s": time.perf_counter() - t0}
     if ready.resume_step is None:
         checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"), keep=config.checkpoint.keep)
-    tensorboard_dir = os.path.join(config.output_dir, "tensorboard") if config.tensorboard and is_primary() else None
-    r = config.reward
     with contextlib.ExitStack() as finally_close:
         finally_close.callback(checkpointer.close)  # on an error too: an async save in flight is finished
-        writer = finally_close.enter_context(MetricsWriter(
-            metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"), tensorboard_dir))
-        pool = finally_close.enter_context(rewards.RewardPool(
-            reward_fn or setup.REWARD_FUNCTIONS[r.function], num_workers=r.num_workers, timeout_s=r.timeout_s,
-            batch_timeout_s=r.batch_timeout_s))
-        policy, before = warm_start_and_evaluate(config, ready, pool, writer, times)
+        resources = open_resources(config, ready, metrics_path, checkpointer, finally_close)
+        policy, before = warm_start_and_evaluate(config, ready, resources, times)
         t0 = time.perf_counter()
-        state, _, totals = rl.train(policy, config, ready.train_problems, ready.eval_problems, ready.generate, pool,
-                                    writer, checkpointer, loss, advantage_fn, ready.resume_step, ready.resumed,
-                                    ready.critic_trunk)
+        state, _, totals = rl.train(policy, config, (ready.train_problems, ready.eval_problems), ready.generate,
+                                    resources, ready.resume_step, ready.resumed, ready.critic_trunk)
         times["rl_time_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        after = held_out.final_evaluation(state.policy, ready.generate, ready.eval_problems, pool, config)
+        after = held_out.final_evaluation(state.policy, ready.generate, ready.eval_problems, resources.evaluator,
+                                          config)
         times["eval_after_time_s"] = time.perf_counter() - t0
-        writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
+        resources.writer.write({"phase": "rl", "step": config.rl.steps, "final": True, **after})
     export_hf(config, state.policy)
     times["total_wall_time_s"] = time.perf_counter() - wall_start
-    summary = make_summary(config, config_source, ready, state.policy, before, after, {**times, **totals})
+    summary = make_summary(config, config_source, ready, state.policy, (before, after), resources.evaluator,
+                           {**times, **totals})
     if is_primary():
         write_summary(config, summary)
     return summary
+
+
+def checked(config: Config) -> Config:
+    """`config` with `~` expanded in `output_dir` and the run's own pieces recorded (`piece_sources`), after the
+    checks that need nothing loaded: the optional extras it uses are installed, the tokenizer settings fit."""
+    check_extras(config)
+    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
+        raise RunConfigError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
+                             "model trains with the sentencepiece tokenizer trained for it")
+    return dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir),  # "~/runs/x"
+                               piece_sources=registry.record(config.pieces()))
+
+
+def open_resources(config: Config, ready: Prepared, metrics_path: str, checkpointer: Checkpointer,
+                   finally_close: contextlib.ExitStack) -> rl.RunResources:
+    """The run's writers (metrics.jsonl and its mirrors, samples.jsonl), reward scorer and evaluation reward,
+    closed by `finally_close`."""
+    mirrors = build_mirrors(config, config.output_dir) if is_primary() else ()
+    writer = finally_close.enter_context(MetricsWriter(
+        metrics_path, os.path.join(os.path.dirname(metrics_path), "timings.jsonl"), mirrors))
+    samples = finally_close.enter_context(open_sample_log(config, config.output_dir, ready.resume_step,
+                                                          is_primary()))
+    scorer = finally_close.enter_context(RewardScorer.from_config(config))
+    pool = held_out.evaluation_pool(config, scorer)
+    if pool is not scorer.pools["correct"]:
+        finally_close.enter_context(pool)
+    return rl.RunResources(writer, scorer, held_out.Evaluator.of(config, pool), samples, checkpointer)
 
 
 def prepare(config: Config, resume_step: int | None) -> Prepared:
     """Everything that can refuse the config, before the output dir changes: data, mesh and batch sizes,
     policy, tokenizer, prompt rendering, the critic and, to resume, the checkpoint itself."""
     train_problems, eval_problems, corpus, data_totals = setup.load_task(config)
+    if config.data.train_file is not None and config.sft.steps:
+        demonstration_pairs(train_problems)  # a warm start from the file needs solutions in it (NoDemonstrations)
     layout = layout_from(config.mesh)
     mesh = layout.mesh
     setup.check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
@@ -167,7 +186,7 @@ def take_output_dir(config: Config, ready: Prepared) -> tuple[str, Checkpointer 
     return metrics_path, checkpointer
 
 
-def warm_start_and_evaluate(config: Config, ready: Prepared, pool, writer: MetricsWriter, times: dict
+def warm_start_and_evaluate(config: Config, ready: Prepared, resources: rl.RunResources, times: dict
                             ) -> tuple[models.Policy | None, dict[str, Any]]:
     """The policy RL starts from and its held-out evaluation (recorded as RL step 0): warm-started and
     evaluated now, or for a resumed run the evaluation it recorded (its policy comes from the checkpoint)."""
@@ -176,15 +195,16 @@ def warm_start_and_evaluate(config: Config, ready: Prepared, pool, writer: Metri
         return ready.policy, ready.before
     t0 = time.perf_counter()
     # only the policy is kept: the warm start's optimizer state would otherwise live through RL
-    policy = warm_start(ready.policy, config, ready.generate, ready.train_problems, writer).policy
+    policy = warm_start(ready.policy, config, ready.generate, ready.train_problems, resources.writer).policy
     times["sft_time_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    before = held_out.evaluate(policy, ready.generate, ready.eval_problems, pool, batch_size=config.eval.batch_size,
-                               max_new_tokens=config.rl.sampling.max_new_tokens)
+    evaluator = resources.evaluator
+    before = held_out.evaluate(policy, ready.generate, ready.eval_problems, evaluator,
+                               batch_size=config.eval.batch_size, max_new_tokens=config.rl.sampling.max_new_tokens)
     times["eval_before_time_s"] = time.perf_counter() - t0
-    writer.write({"phase": "rl", "step": 0, **before})
+    resources.writer.write({"phase": "rl", "step": 0, **before})
     when = "after the warm start" if config.sft.steps else "before RL"
-    log.info("held-out greedy accuracy %s: %.3f", when, before["eval/accuracy"])
+    log.info("held-out greedy %s %s: %.3f (reward %s)", evaluator.metric, when, before[evaluator.key], evaluator.reward)
     return policy, before
 
 
@@ -199,13 +219,17 @@ def export_hf(config: Config, policy: models.Policy) -> None:
                                base=setup.hf_files(config.pretrained.path), progress=config.progress)
 
 
-def make_summary(config: Config, config_source: str, ready: Prepared, policy: models.Policy, before: dict,
-                 after: dict, totals: dict) -> dict[str, Any]:
-    """`summary.json`: accuracy before and after RL, times and totals, the run's devices and its config."""
+def make_summary(config: Config, config_source: str, ready: Prepared, policy: models.Policy,
+                 evaluations: tuple[dict, dict], evaluator: held_out.Evaluator, totals: dict) -> dict[str, Any]:
+    """`summary.json`: the held-out metric (accuracy, or mean reward for a non-binary evaluation reward) before
+    and after RL, times and totals, the run's devices, its own pieces and its config."""
+    before, after = evaluations
+    metric, key = evaluator.metric, evaluator.key
     return {
-        "accuracy_before_rl": before["eval/accuracy"],
-        "accuracy_after_rl": after["eval/accuracy"],
-        "accuracy_gain": after["eval/accuracy"] - before["eval/accuracy"],
+        f"{metric}_before_rl": before[key],
+        f"{metric}_after_rl": after[key],
+        f"{metric}_gain": after[key] - before[key],
+        "eval_reward": evaluator.reward,
         "num_eval_problems": len(ready.eval_problems),
         "completion_length_before_rl": before["eval/completion_length"],
         "completion_length_after_rl": after["eval/completion_length"],
@@ -219,6 +243,7 @@ def make_summary(config: Config, config_source: str, ready: Prepared, policy: mo
         "mesh": dict(ready.mesh.shape),
         "seed": config.seed,
         "config_source": config_source,
+        "piece_sources": [list(piece) for piece in config.piece_sources],
         "config": configlib.to_dict(config),
     }
 

@@ -1,4 +1,4 @@
-"""The sampler's host-side front end: text prompts in, rollouts (global arrays) and decoded texts out."""
+"""The sampler's host-side front end: prompt records in, rollouts (global arrays) and decoded texts out."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxrl.data.render import render_prompt
 from jaxrl.sampling import Rollout, SamplingConfig, sample, stop_sequences_for
 from jaxrl.sharding import data_shard, from_process_local, process_local, process_max
 from jaxrl.tokenizer import BaseTokenizer, encode_prompt, left_pad, round_up
@@ -24,10 +25,11 @@ class Generation:
 
 @dataclasses.dataclass
 class Generator:
-    """Host-side wrapper around the jitted sampler: text prompts in, rollouts and texts out.
+    """Host-side wrapper around the jitted sampler: prompt records (or strings) in, rollouts and texts out.
 
     With `chat_template`, each prompt becomes the user turn (after an optional system turn) of the
-    tokenizer's chat template, ending with the assistant's generation prompt.
+    tokenizer's chat template, ending with the assistant's generation prompt; a chat record's conversation
+    is rendered as it is (`jaxrl.data.render`).
     """
 
     tokenizer: BaseTokenizer
@@ -38,7 +40,7 @@ class Generator:
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a completion
 
     @classmethod
-    def fitting(cls, prompts: Sequence[str], tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
+    def fitting(cls, prompts: Sequence, tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
                 system_prompt: str | None = None, buckets: int = 4,
                 stop_strings: Sequence[str] = ()) -> "Generator":
         """A generator whose longest padded prompt length fits every one of `prompts`, with `buckets`
@@ -53,26 +55,27 @@ class Generator:
         """The longest padded prompt length."""
         return self.prompt_lengths[-1]
 
-    def render(self, prompt: str) -> str:
-        """The text the model sees for a task prompt."""
-        if not self.chat_template:
-            return prompt
-        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
-        return self.tokenizer.apply_chat_template([*system, {"role": "user", "content": prompt}])
+    def render(self, item) -> str:
+        """The text the model sees for a prompt record (`.prompt`, and `.messages` for a chat record; see
+        `jaxrl.data.render.render_prompt`) or a prompt string."""
+        record = _Prompt(item) if isinstance(item, str) else item
+        return render_prompt(record, self.tokenizer, chat_template=self.chat_template,
+                             system_prompt=self.system_prompt)
 
-    def prompt_tokens(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tokenizer, self.render(prompt), templated=self.chat_template)
+    def prompt_tokens(self, item) -> list[int]:
+        return encode_prompt(self.tokenizer, self.render(item), templated=self.chat_template)
 
-    def __call__(self, policy, prompts: Sequence[str], rng, config: SamplingConfig,
+    def __call__(self, policy, prompts: Sequence, rng, config: SamplingConfig,
                  temperature=None, group_size: int = 1) -> Generation:
         """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once).
 
-        `prompts`: this process's prompts (all of them in a single-process run); every process passes as many.
+        `prompts`: this process's prompt records (or strings; all of them in a single-process run); every
+        process passes as many.
         """
         rows = [self.prompt_tokens(p) for p in prompts]
         longest = process_max(max(map(len, rows)))  # every process pads to the same length
         length = next((n for n in self.prompt_lengths if n >= longest), self.prompt_length)
-        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, prompts)
+        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, [self.render(p) for p in prompts])
         parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if (len(prompts) * data_shard(self.mesh)[1]) % parallel:  # prompts do not split over the mesh: share
             tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
@@ -81,6 +84,13 @@ class Generator:
                          temperature, group_size=group_size, stop_sequences=self.stop_sequences)
         local = process_local(rollout, self.mesh)
         return Generation(rollout, local, [self.tokenizer.decode(row) for row in local.completion_tokens])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    """A bare prompt string as a record."""
+
+    prompt: str
 
 
 def prompt_length_buckets(longest: int, count: int, multiple: int = 8) -> tuple[int, ...]:

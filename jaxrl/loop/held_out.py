@@ -1,5 +1,9 @@
 """Held-out evaluation: greedy accuracy (`evaluate`), pass@k and maj@k (`evaluate_sampled`), and the
-evaluation of a saved policy behind `jaxrl eval` (`evaluate_checkpoint`)."""
+evaluation of a saved policy behind `jaxrl eval` (`evaluate_checkpoint`).
+
+The evaluation scores with the verifiable reward the config names for it (`eval.reward`, else
+`reward.function`) and names the metric after what that reward measures: `eval/accuracy` for a reward
+registered as binary (right or wrong: arithmetic, math), `eval/reward` (its mean) for any other."""
 
 from __future__ import annotations
 
@@ -15,10 +19,52 @@ from jaxrl import evaluation, rewards
 from jaxrl.config import Config
 from jaxrl.loop import setup
 from jaxrl.loop.generate import Generator
+from jaxrl.loop.rollout import repeat_each, row_of
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
 from jaxrl.sampling import SamplingConfig
-from jaxrl.sharding import gather, initialize_distributed, layout_from, process_rows
+from jaxrl.rewards.scoring import RewardScorer, eval_reward, pool_for
+from jaxrl.samples import completion_records, write_completions
+from jaxrl.sharding import gather, initialize_distributed, is_primary, layout_from, process_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluator:
+    """The held-out evaluation's reward: its pool, its config name, and what its mean is."""
+
+    pool: rewards.RewardPool
+    reward: str  # the config's name of it (`eval.reward` or `reward.function`)
+    binary: bool  # right or wrong (registered `binary=True`): its mean is an accuracy
+    answers: bool = False  # its completions hold answers that `extract_answer` finds: maj@k votes on them
+
+    @property
+    def metric(self) -> str:
+        return "accuracy" if self.binary else "reward"
+
+    @property
+    def key(self) -> str:
+        """The record's key of the evaluation's mean: `eval/accuracy` or `eval/reward`."""
+        return f"eval/{self.metric}"
+
+    @classmethod
+    def of(cls, config: Config, pool: rewards.RewardPool) -> "Evaluator":
+        name, entry = eval_reward(config)
+        return cls(pool, name, bool(entry.info.get("binary")), bool(entry.info.get("answers")))
+
+
+def evaluation_pool(config: Config, scorer: RewardScorer | None = None) -> rewards.RewardPool:
+    """The pool of the evaluation's reward: the training scorer's verifiable-reward pool when it is the same
+    reward (no second set of workers), else a new one (the caller closes it)."""
+    if scorer is not None and config.eval.reward in (None, config.reward.function):
+        return scorer.pools["correct"]
+    return pool_for(eval_reward(config)[1].fn, config.reward)
+
+
+def _score(evaluator: Evaluator, problems, texts, samples: int = 1) -> np.ndarray:
+    """The evaluation reward of `texts` (rows `p * samples + s` of `problems`) `[len(texts)]`."""
+    return evaluator.pool.score(texts, repeat_each((p.reference for p in problems), samples),
+                                prompts=repeat_each((p.prompt for p in problems), samples),
+                                rows=repeat_each(map(row_of, problems), samples)).rewards
 
 
 def _process_batches(problems, size: int, mesh):
@@ -32,46 +78,51 @@ def _process_batches(problems, size: int, mesh):
         yield start, chunk, mine, max(0, min(len(chunk), rows.stop) - rows.start)
 
 
-def evaluate(policy, generate: Generator, problems, pool: rewards.RewardPool, batch_size: int,
-             max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy on `problems`; every batch is padded to `batch_size` so one program serves all.
-    Each process samples and scores its rows of every batch; the scores are gathered."""
+def evaluate(policy, generate: Generator, problems, evaluator: Evaluator, batch_size: int,
+             max_new_tokens: int, completions: list | None = None) -> dict[str, float]:
+    """Greedy accuracy (or mean reward, see `Evaluator`) on `problems`; every batch is padded to `batch_size`
+    so one program serves all.
+    Each process samples and scores its rows of every batch; the scores are gathered. `completions`, when
+    given, is extended with one `samples.completion_records` row per problem this process sampled."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     start, scores, lengths, sample_text = time.perf_counter(), [], [], None
     for _, chunk, padded, real in _process_batches(problems, batch_size, generate.mesh):
-        generation = generate(policy, [p.prompt for p in padded], jax.random.key(0), greedy)
+        generation = generate(policy, padded, jax.random.key(0), greedy)
         local_scores = np.zeros(len(padded), np.float32)
         if real:
-            local_scores[:real] = pool.score(generation.texts[:real], [p.reference for p in padded[:real]]).rewards
+            local_scores[:real] = _score(evaluator, padded[:real], generation.texts[:real])
         row_lengths = generation.local.completion_mask.sum(1).astype(np.float32)
         all_scores, all_lengths = gather((local_scores, row_lengths), generate.mesh)
         scores += all_scores[:len(chunk)].tolist()
         lengths += all_lengths[:len(chunk)].tolist()
+        if completions is not None:  # this process's problems
+            completions += completion_records([p.prompt for p in padded[:real]], [p.reference for p in padded[:real]],
+                                              generation.texts[:real], local_scores[:real], row_lengths[:real])
         if sample_text is None and generation.texts:
             sample_text = generation.texts[0]
-    return {"eval/accuracy": float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
+    return {evaluator.key: float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
             "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
             "eval/sample": sample_text}
 
 
-def evaluate_sampled(policy, generate: Generator, problems, pool: rewards.RewardPool, config: Config,
+def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator, config: Config,
                      key: jax.Array) -> dict[str, float]:
     """pass@k and maj@k on `problems`: `config.eval.samples` completions of each at `config.eval.temperature`
-    (one prefill per problem, its samples sharing its KV cache), scored by the run's reward; a completion is
-    correct when its verifiable reward is 1. maj@k votes on the normalised extracted answers (math and
-    arithmetic rewards; none for code)."""
+    (one prefill per problem, its samples sharing its KV cache), scored by the evaluation's reward; a
+    completion is correct when that reward is at least 1. maj@k votes on the normalised extracted answers
+    (rewards registered with `answers=True`: math and arithmetic; none for code)."""
     e = config.eval
     settings = dataclasses.replace(config.rl.sampling, temperature=e.temperature)
     per_call = max(1, e.batch_size // e.samples)  # problems per sampler call
     start, correct, votes = time.perf_counter(), [], []
-    with_answers = config.reward.function in ("arithmetic", "math")
+    with_answers = evaluator.answers
     for i, chunk, padded, real in _process_batches(problems, per_call, generate.mesh):
-        generation = generate(policy, [p.prompt for p in padded], jax.random.fold_in(key, i), settings,
+        generation = generate(policy, padded, jax.random.fold_in(key, i), settings,
                               group_size=e.samples)
         texts = generation.texts[:real * e.samples]
         local = np.zeros((len(padded), e.samples), bool)
         if real:
-            scores = pool.score(texts, [p.reference for p in padded[:real] for _ in range(e.samples)]).rewards
+            scores = _score(evaluator, padded[:real], texts, e.samples)
             local[:real] = scores.reshape(real, e.samples) >= 1.0
         local_votes = np.zeros((len(padded), len(e.pass_k)), bool)
         if with_answers:
@@ -94,24 +145,27 @@ def _answer_key(text: str) -> str | None:
     return None if answer is None else rewards.normalize_answer(answer)
 
 
-def final_evaluation(policy, generate: Generator, problems, pool: rewards.RewardPool, config: Config
-                     ) -> dict[str, Any]:
+def final_evaluation(policy, generate: Generator, problems, evaluator: Evaluator, config: Config,
+                     completions: list | None = None) -> dict[str, Any]:
     """Greedy accuracy and, with `eval.samples`, pass@k / maj@k (drawn with key fold_in(seed, 4))."""
-    result = evaluate(policy, generate, problems, pool, config.eval.batch_size, config.rl.sampling.max_new_tokens)
+    result = evaluate(policy, generate, problems, evaluator, config.eval.batch_size,
+                      config.rl.sampling.max_new_tokens, completions)
     if config.eval.samples:
-        result.update(evaluate_sampled(policy, generate, problems, pool, config,
+        result.update(evaluate_sampled(policy, generate, problems, evaluator, config,
                                        jax.random.fold_in(jax.random.key(config.seed), 4)))
     return result
 
 
-def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
+def evaluate_checkpoint(config: Config, checkpoint: str, completions_file: str | None = None) -> dict[str, Any]:
     """Held-out evaluation of a saved policy (`jaxrl eval CONFIG checkpoint=PATH`): greedy accuracy and, with
     `eval.samples`, pass@k / maj@k, on the evaluation problems of `config` (task, data, reward, sampling).
 
     `checkpoint`: a run directory (its newest checkpoint), one of its `checkpoints/<step>`, a policy checkpoint
     or a Hugging Face directory. A run's tokenizer is its `tokenizer.model`, or for a run started from an HF
     checkpoint the one its saved config names; otherwise `tokenizer.path` or the checkpoint's own tokenizer
-    files (`setup.tokenizer_files`)."""
+    files (`setup.tokenizer_files`). `completions_file`: a JSONL of the greedy completion of every held-out
+    problem (prompt, reference, completion, reward/correct, length; in a multi-process run, the primary
+    process's share)."""
     initialize_distributed(config.distributed)
     _, eval_problems, _, _ = setup.load_task(config)
     layout = layout_from(config.mesh)
@@ -122,8 +176,11 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint: {e}") from None
     tokenizer, _ = setup.load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
     generate = setup.make_generator(eval_problems, tokenizer, layout.mesh, config)
-    r = config.reward
-    with rewards.RewardPool(setup.REWARD_FUNCTIONS[r.function], num_workers=r.num_workers, timeout_s=r.timeout_s,
-                            batch_timeout_s=r.batch_timeout_s) as pool:
-        result = final_evaluation(policy, generate, eval_problems, pool, config)
-    return {"checkpoint": os.path.abspath(checkpoint), "kind": source.kind, "step": source.step, **result}
+    completions = [] if completions_file else None
+    with evaluation_pool(config) as pool:
+        evaluator = Evaluator.of(config, pool)
+        result = final_evaluation(policy, generate, eval_problems, evaluator, config, completions)
+    if completions_file and is_primary():
+        write_completions(completions_file, completions)
+    return {"checkpoint": os.path.abspath(checkpoint), "kind": source.kind, "step": source.step,
+            "eval_reward": evaluator.reward, **result}

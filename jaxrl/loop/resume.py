@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from jaxrl import configlib
+from jaxrl import configlib, registry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.losses import Controls
@@ -43,6 +43,11 @@ def resume_point(config: Config) -> int:
     mismatches = config_mismatches(config, saved)
     if mismatches:
         raise CheckpointError(f"resume=true: the run in {out} does not match the config: " + "; ".join(mismatches))
+    changed = registry.changed(saved.piece_sources, config.piece_sources)
+    if changed and not config.resume_changed_pieces:
+        raise CheckpointError(f"resume=true: the run in {out} used other pieces of its own than the config names "
+                              f"now ({saved_path}: piece_sources): " + "; ".join(changed) +
+                              "; resume_changed_pieces=true resumes with them anyway")
     return step
 
 
@@ -139,7 +144,8 @@ def truncate_metrics(path: str, step: int) -> None:
 def recorded_evaluation(path: str) -> dict[str, Any]:
     """The held-out evaluation after the warm start, as the resumed run recorded it (step 0)."""
     for record in read_metrics(path, torn_tail_ok=True):  # read before truncate_metrics: a kill may cut the tail
-        if record.get("phase") == "rl" and record.get("step") == 0 and "eval/accuracy" in record:
+        held_out = "eval/accuracy" in record or "eval/reward" in record
+        if record.get("phase") == "rl" and record.get("step") == 0 and held_out:
             return {k: v for k, v in record.items() if k.startswith("eval/")}
     raise CheckpointError(f"resume=true: {path} has no evaluation after the warm start (RL step 0)")
 

@@ -26,14 +26,15 @@ from jaxrl.checkpoint import Checkpointer, NonFiniteState
 from jaxrl.config import Config
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
-from jaxrl.losses import Controls, Term
-from jaxrl.losses.batch import AdvantageFn
+from jaxrl.losses import Controls
 from jaxrl.loop import held_out, progress, resume, setup
 from jaxrl.loop.generate import Generator
-from jaxrl.loop.rollout import RolloutResult, Sampler, references, rollout_batch, sample_rollout, shaped_rewards
+from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, sample_rollout, score, shaped_rewards
 from jaxrl.metrics import MetricsWriter
+from jaxrl.rewards.scoring import RewardScorer
+from jaxrl.samples import SampleLog, sequence_advantages
 from jaxrl.sampling import FINISH_LENGTH, compiled_programs
-from jaxrl.sharding import allgather, data_shard, gather, process_max, shard_batch
+from jaxrl.sharding import allgather, data_shard, gather, process_local, process_max, process_rows, shard_batch
 from jaxrl.train import TrainState, copy_arrays
 
 log = logging.getLogger("jaxrl")
@@ -59,6 +60,18 @@ class LoopState:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunResources:
+    """What a run opened before it starts (`experiment.open_resources`): where its records go and the reward
+    workers it scores with."""
+
+    writer: MetricsWriter  # metrics.jsonl, timings.jsonl and their mirrors (TensorBoard, wandb)
+    scorer: RewardScorer  # every configured reward
+    evaluator: held_out.Evaluator  # the held-out evaluation's reward
+    samples: SampleLog  # samples.jsonl
+    checkpointer: Checkpointer
+
+
+@dataclasses.dataclass(frozen=True)
 class RLContext:
     """What stays fixed over the RL phase: the config, the programs, the sampler, the sinks and the keys."""
 
@@ -66,7 +79,9 @@ class RLContext:
     programs: setup.StepPrograms
     sampler: Sampler
     eval_problems: list
+    evaluator: held_out.Evaluator  # the held-out evaluation's reward and metric name
     writer: MetricsWriter
+    samples: SampleLog  # samples.jsonl
     checkpointer: Checkpointer
     loss_key: jax.Array  # the loss's own draws (Clip-Cov), folded with the step
     background: ThreadPoolExecutor | None  # the rollout thread of rl.overlap
@@ -77,26 +92,27 @@ class RLContext:
         return self.config.rl.loss.needs_ref_logp or self.config.rl.loss.needs_full_kl
 
 
-def train(warm_policy, config: Config, train_problems, eval_problems, generate: Generator, pool, writer,
-          checkpointer, loss: Term | None = None, advantage_fn: AdvantageFn | None = None,
+def train(warm_policy, config: Config, problems: tuple[list, list], generate: Generator, sinks: RunResources,
           resume_step: int | None = None, resumed: tuple | None = None,
           critic_trunk: models.Policy | None = None) -> tuple[TrainState, Controls, dict[str, int]]:
     """RL from `warm_policy` (the warm-started policy), or from `resumed` (`resume.restore`'s result for
-    `resume_step`; `warm_policy` is then unused). Returns the final state, controls and totals.
+    `resume_step`; `warm_policy` is then unused), on `problems` (train, held-out). Returns the final state,
+    controls and totals.
 
     The optimizer steps donate the state (`make_rl_step`), so `warm_policy`'s arrays are consumed, but for
     `rl.overlap`, whose background rollout samples with the state that the update is given.
     """
     rl = config.rl
-    programs = setup.step_programs(config, loss, advantage_fn)
+    train_problems, eval_problems = problems
+    programs = setup.step_programs(config)
     loop_state = initial_loop_state(config, warm_policy, train_problems, generate.mesh, resume_step, resumed,
                                     critic_trunk)
     preempted = PreemptionFlag()
     seed_key = jax.random.key(config.seed)  # fold_in 2: sampling; 3: minibatch order; 4: sampled evaluation
-    sampler = Sampler(config, generate, pool, programs, jax.random.fold_in(seed_key, 2))
+    sampler = Sampler(config, generate, sinks.scorer, programs, jax.random.fold_in(seed_key, 2))
     background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
-    ctx = RLContext(config, programs, sampler, eval_problems, writer, checkpointer,
-                    jax.random.fold_in(seed_key, 5), background, preempted)
+    ctx = RLContext(config, programs, sampler, eval_problems, sinks.evaluator, sinks.writer, sinks.samples,
+                    sinks.checkpointer, jax.random.fold_in(seed_key, 5), background, preempted)
     first_step = 1 if resume_step is None else resume_step + 1
     bar = progress.steps(first_step, rl.steps, "RL", config.progress)
     try:
@@ -167,7 +183,7 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     # on the host, while the device computes the log-probs (or already done in the background)
     scored = produced.scored
     if scored is None:
-        scored = ctx.sampler.pool.score(texts, references(produced.problems, rl.group_size))
+        scored = score(ctx.sampler.scorer, produced.problems, texts, rl.group_size)
     t3 = time.perf_counter()
     reward_s = produced.reward_s + (t3 - t2 if produced.scored is None else 0.0)  # (+ ReMax's baseline)
     seen, scored, composed = gathered_rewards(produced, scored, config, programs.component_weights, mesh)
@@ -178,6 +194,7 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     t4 = time.perf_counter()
     logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
     train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step)
+    log_samples(ctx, step, produced, composed, train_batch["advantages"])
     if ctx.background is not None and not flushes_after(config, step) and not ctx.preempted:
         # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
         # while it runs; its PPO ratio pi_theta / pi_old then spans the one-step lag
@@ -223,7 +240,7 @@ def gathered_rewards(produced: RolloutResult, scored: rewards.RewardResult, conf
     `correct [B]`, completion `length [B]`, `truncated [B]`, the shaping `components` and ReMax's `greedy`
     baseline (when drawn); `scored` the gathered reward outcome; `composed` the shaped rewards."""
     texts, local = produced.generation.texts, produced.generation.local
-    composed = shaped_rewards(scored.rewards, texts, local.completion_mask.sum(1), config)
+    composed = shaped_rewards(scored, texts, local.completion_mask.sum(1), config)
     seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
             "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
     if produced.greedy_rewards is not None:
@@ -261,6 +278,27 @@ def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedReward
                    if k in batch}
     train_batch.update(fields)
     return train_batch, prep_metrics
+
+
+def log_samples(ctx: RLContext, step: int, produced: RolloutResult, composed: rewards.ComposedRewards,
+                advantages: jax.Array) -> None:
+    """Every `log.samples_every` steps, `log.samples_per_step` rows of the batch to samples.jsonl: prompt,
+    completion, reference, reward components, total reward, the sequence's advantage (its mean over the
+    completion tokens of `advantages [B, N]`), length and finish reason; this process's rows (the primary
+    process writes them)."""
+    every, group_size = ctx.config.log.samples_every, ctx.config.rl.group_size
+    if not every or step % every:
+        return
+    mesh, local = ctx.sampler.generate.mesh, produced.generation.local
+    mine = process_rows(len(composed.total), mesh)
+    local_advantages = process_local(advantages, mesh)  # on every process: it may move rows between them
+    ctx.samples.write(step, prompts=[p.prompt for p in produced.problems for _ in range(group_size)],
+                      completions=produced.generation.texts,
+                      references=[p.reference for p in produced.problems for _ in range(group_size)],
+                      components={name: values[mine] for name, values in composed.components.items()},
+                      rewards=composed.total[mine],
+                      advantages=sequence_advantages(local_advantages, local.completion_mask),
+                      lengths=local.completion_mask.sum(1), finish_reasons=local.finish_reason)
 
 
 def flushes_after(config: Config, step: int) -> bool:
@@ -389,10 +427,10 @@ def finish_step(ctx: RLContext, s: LoopState, step: int, record: dict[str, Any],
     config = ctx.config
     if config.eval.every and step % config.eval.every == 0 and step != config.rl.steps:
         flush(s)
-        record.update(held_out.evaluate(s.train.policy, ctx.sampler.generate, ctx.eval_problems, ctx.sampler.pool,
+        record.update(held_out.evaluate(s.train.policy, ctx.sampler.generate, ctx.eval_problems, ctx.evaluator,
                                         batch_size=config.eval.batch_size,
                                         max_new_tokens=config.rl.sampling.max_new_tokens))
-        s = dataclasses.replace(s, last_accuracy=record["eval/accuracy"])
+        s = dataclasses.replace(s, last_accuracy=record[ctx.evaluator.key])
     record["time/step_s"] = time.perf_counter() - t0
     ctx.writer.write(record)
     # every process stops after the same step: the signal may reach them during different steps

@@ -20,6 +20,8 @@ from jaxrl.losses import Controls
 from jaxrl.loop.generate import Generation, Generator
 from jaxrl.loop.setup import StepPrograms
 from jaxrl.sampling import FINISH_LENGTH, Rollout
+from jaxrl.rewards.pool import RewardResult
+from jaxrl.rewards.scoring import RewardScorer, ScoredBatch, shape
 from jaxrl.sharding import from_process_local, process_max
 from jaxrl.train import TrainState
 
@@ -31,7 +33,7 @@ class RolloutResult:
 
     problems: list
     generation: Generation
-    scored: rewards.RewardResult | None
+    scored: ScoredBatch | None
     sample_s: float
     reward_s: float
     metrics: dict[str, float]  # dynamic sampling's
@@ -42,36 +44,42 @@ class RolloutResult:
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-    """What a rollout is drawn with, fixed for the run: the sampler front end, the reward pool, the step's
+    """What a rollout is drawn with, fixed for the run: the sampler front end, the rewards' scorer, the step's
     programs (for the log-probs and values) and the sampling key (fold_in(seed, 2), folded with the step)."""
 
     config: Config
     generate: Generator
-    pool: rewards.RewardPool
+    scorer: RewardScorer
     programs: StepPrograms
     key: jax.Array
 
 
-def references(problems, group_size: int) -> list[str]:
-    """Each problem's reference, once per sample: rows `p * G + g`."""
-    return [p.reference for p in problems for _ in range(group_size)]
+def row_of(problem) -> dict:
+    """The data row a reward receives as `row`: a prompt file's row as read, or the built-in task's problem as
+    `{"prompt", "reference"}`."""
+    row = getattr(problem, "row", None)
+    return row if row is not None else {"prompt": problem.prompt, "reference": problem.reference}
 
 
-def shaped_rewards(correct: np.ndarray, texts: Sequence[str], lengths: np.ndarray, config: Config
+def repeat_each(values, times: int) -> list:
+    """`[v0, v0, ..., v1, v1, ...]`: each of `values` `times` times (row `p * G + g` is sample g of prompt p)."""
+    return [v for v in values for _ in range(times)]
+
+
+def score(scorer: RewardScorer, problems, texts, group_size: int) -> ScoredBatch:
+    """Every configured reward of `texts` (rows `p * G + g`: sample g of `problems[p]`), each reward given the
+    prompt, completion, reference and data row it takes."""
+    return scorer.score(texts, repeat_each((p.reference for p in problems), group_size),
+                        prompts=repeat_each((p.prompt for p in problems), group_size),
+                        rows=repeat_each(map(row_of, problems), group_size))
+
+
+def shaped_rewards(scored: ScoredBatch, texts: Sequence[str], lengths: np.ndarray, config: Config
                    ) -> rewards.ComposedRewards:
-    """The verifiable reward `correct [B]` composed with the shaping components `config.reward` enables
-    (format reward of `texts`, DAPO overlong and length penalties of the completion `lengths` in tokens)."""
-    r = config.reward
-    components = {"correct": np.asarray(correct, np.float32)}
-    if r.format_weight:
-        components["format"] = np.array([rewards.format_reward(t, pattern=r.format_pattern) for t in texts],
-                                        np.float32)
-    if r.overlong_buffer is not None:
-        components["overlong"] = rewards.dapo_overlong_penalty(lengths, config.rl.sampling.max_new_tokens,
-                                                               r.overlong_buffer)
-    if r.length_target is not None:
-        components["length"] = rewards.length_penalty(lengths, r.length_target, r.length_penalty_coef)
-    return rewards.compose(components, r.component_weights())
+    """The scored rewards (the verifiable `correct` and `reward.extra`'s) composed with the shaping components
+    `config.reward` enables (format reward of `texts`, DAPO overlong and length penalties of the completion
+    `lengths` in tokens)."""
+    return shape(scored.components, texts, lengths, config.reward, config.rl.sampling.max_new_tokens)
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
@@ -110,7 +118,7 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
     while True:
         t0 = time.perf_counter()
         round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
-        generation = sampler.generate(state.policy, [p.prompt for p in problems], round_key, rl.sampling,
+        generation = sampler.generate(state.policy, problems, round_key, rl.sampling,
                                       controls.temperature, group_size=rl.group_size)
         t1 = time.perf_counter()
         batch = None
@@ -118,15 +126,14 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
             batch = rollout_batch(state, programs.logprobs, programs.values, generation.rollout, rl.loss,
                                   controls, ref_policy)
         t2 = time.perf_counter()
-        scored = (sampler.pool.score(generation.texts, references(problems, rl.group_size))
-                  if background or dynamic else None)
+        scored = score(sampler.scorer, problems, generation.texts, rl.group_size) if background or dynamic else None
         sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
         rounds.append((problems, generation, scored))
         if not dynamic:
             result = RolloutResult(problems, generation, scored, sample_s, reward_s, {})
             return with_batch(with_baseline(sampler, result, state.policy, key), batch)
         informative.append(dynamic_sampling.informative_groups(shaped_rewards(
-            scored.rewards, generation.texts, generation.local.completion_mask.sum(1), config).total,
+            scored, generation.texts, generation.local.completion_mask.sum(1), config).total,
             rl.group_size))
         short = sum(int(f.sum()) for f in informative) < len(problems)
         if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
@@ -148,10 +155,10 @@ def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> Rollo
         return result
     greedy = dataclasses.replace(config.rl.sampling, temperature=0.0)
     t0 = time.perf_counter()
-    greedy_out = sampler.generate(policy, [p.prompt for p in result.problems], key, greedy)
+    greedy_out = sampler.generate(policy, result.problems, key, greedy)
     t1 = time.perf_counter()
-    greedy_scored = sampler.pool.score(greedy_out.texts, [p.reference for p in result.problems])
-    total = shaped_rewards(greedy_scored.rewards, greedy_out.texts, greedy_out.local.completion_mask.sum(1),
+    greedy_scored = score(sampler.scorer, result.problems, greedy_out.texts, 1)
+    total = shaped_rewards(greedy_scored, greedy_out.texts, greedy_out.local.completion_mask.sum(1),
                            config).total
     return dataclasses.replace(result, greedy_rewards=np.repeat(total, config.rl.group_size),
                                sample_s=result.sample_s + t1 - t0,
@@ -167,6 +174,19 @@ def with_batch(result: RolloutResult, batch: dict | None) -> RolloutResult:
     return dataclasses.replace(result, batch=batch, logprobs_s=time.perf_counter() - t0)
 
 
+def selected_scores(scores: list[ScoredBatch], groups, group_size: int) -> ScoredBatch:
+    """The scores of the selected `groups` (`(round, group)` pairs) of the rounds' `scores`, in that order,
+    with every round's failures and time."""
+    results = {}
+    for name in scores[0].results:
+        rounds = [s.results[name] for s in scores]
+        selected = np.concatenate([rounds[r].rewards[g * group_size:(g + 1) * group_size] for r, g in groups])
+        results[name] = RewardResult(selected, sum(r.timeouts for r in rounds), sum(r.errors for r in rounds),
+                                     sum(r.seconds for r in rounds))
+    return ScoredBatch({name: r.rewards for name, r in results.items()}, results, sum(s.timeouts for s in scores),
+                       sum(s.errors for s in scores), sum(s.seconds for s in scores))
+
+
 def dynamic_result(rounds, informative, generate: Generator, group_size: int, sample_s: float,
                    reward_s: float) -> RolloutResult:
     """The batch of `dynamic_sampling.select_groups` assembled from the rounds `(problems, generation,
@@ -178,9 +198,7 @@ def dynamic_result(rounds, informative, generate: Generator, group_size: int, sa
     problems = [rounds[r][0][g] for r, g in selection.groups]
     texts = [rounds[r][1].texts[g * group_size + i] for r, g in selection.groups for i in range(group_size)]
     scores = [rounds[r][2] for r in range(len(rounds))]
-    scored = rewards.RewardResult(
-        np.concatenate([scores[r].rewards[g * group_size:(g + 1) * group_size] for r, g in selection.groups]),
-        sum(s.timeouts for s in scores), sum(s.errors for s in scores), sum(s.seconds for s in scores))
+    scored = selected_scores(scores, selection.groups, group_size)
     global_rollout = from_process_local(tuple(x for x in local if x is not None), generate.mesh)
     rollout = Rollout(*global_rollout, *(None,) * (len(Rollout._fields) - len(global_rollout)))
     metrics = {"dynamic/rounds": float(len(rounds)), "dynamic/informative_frac": float(informative[0].mean()),

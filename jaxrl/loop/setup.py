@@ -13,13 +13,12 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl import configlib, losses, models, rewards
+from jaxrl import configlib, losses, models
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.errors import RunConfigError
-from jaxrl.losses import Controls, Term
-from jaxrl.losses.batch import AdvantageFn
+from jaxrl.losses import Controls
 from jaxrl.loop.generate import Generator
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
@@ -28,11 +27,6 @@ from jaxrl.train import (TrainState, by_micro_batches, completion_logprobs, crit
                          init_train_state, make_optimizer, make_rl_step)
 
 log = logging.getLogger("jaxrl")
-
-REWARD_FUNCTIONS = {"arithmetic": rewards.arithmetic_reward, "math": rewards.math_verify,
-                    "code": rewards.code_reward}
-RewardFn = Callable[[str, str], float]  # (completion, reference) -> reward
-
 
 def optimizer_from(config: OptimConfig):
     return make_optimizer(**dataclasses.asdict(config))
@@ -169,7 +163,7 @@ def make_generator(problems, tokenizer: BaseTokenizer, mesh, config: Config) -> 
     """The sampler front end for `problems`' prompts (rendered, encoded and bucketed now: a template that
     refuses them fails here, naming `data.chat_template`)."""
     try:
-        return Generator.fitting([p.prompt for p in problems], tokenizer, mesh, config.data.chat_template,
+        return Generator.fitting(problems, tokenizer, mesh, config.data.chat_template,
                                  config.data.system_prompt, config.data.prompt_buckets, config.tokenizer.stop_strings)
     except ChatTemplateError as e:
         raise ChatTemplateError(f"data.chat_template: {e}") from None
@@ -215,16 +209,15 @@ class StepPrograms:
     component_weights: dict[str, float]  # reward component -> weight; the `[B, K]` columns' order
 
 
-def step_programs(config: Config, loss: Term | None = None, advantage_fn: AdvantageFn | None = None
-                  ) -> StepPrograms:
-    """The programs of `config.rl`'s step, with `loss` / `advantage_fn` replacing the configured ones."""
+def step_programs(config: Config) -> StepPrograms:
+    """The programs of `config.rl`'s step: the objective and the advantage estimator it names."""
     rl, loss_config = config.rl, config.rl.loss
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
     step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
                      critic_optimizer=critic_optimizer, full_kl=loss_config.needs_full_kl)
-    objective = loss or losses.build_loss(loss_config, with_critic=with_critic)
+    objective = losses.build_loss(loss_config, with_critic=with_critic)
     step_args["donate"] = not rl.overlap
     update = make_rl_step(optimizer, objective, **step_args)
     warmup = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
@@ -233,6 +226,5 @@ def step_programs(config: Config, loss: Term | None = None, advantage_fn: Advant
     values = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
     component_weights = config.reward.component_weights()
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
-                                        advantage_fn=advantage_fn,
                                         component_weights=tuple(component_weights.values())))
     return StepPrograms(update, warmup, logprobs, values, prepare, component_weights)

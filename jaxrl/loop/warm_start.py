@@ -6,6 +6,7 @@ import jax
 
 from jaxrl.config import Config
 from jaxrl.data import arithmetic
+from jaxrl.data.demonstrations import demonstrations
 from jaxrl.loop import progress, setup
 from jaxrl.loop.generate import Generator
 from jaxrl.metrics import MetricsWriter
@@ -15,14 +16,19 @@ from jaxrl.train import TrainState, init_train_state, make_sft_step
 
 
 def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
-    """Supervised steps on sloppy-teacher demonstrations (see `jaxrl.data.arithmetic`).
+    """Supervised steps on demonstrations: the data file's solutions (`data.solution_field`, or the last
+    assistant message of a chat row: `jaxrl.data.demonstrations`), or for the built-in task a sloppy teacher's
+    (`jaxrl.data.arithmetic`).
 
     The steps donate their state, so `policy`'s arrays are consumed: use the returned state's policy.
     """
     optimizer = setup.optimizer_from(config.sft.optim)
     state = init_train_state(policy, optimizer)
     step_fn = make_sft_step(optimizer, donate=True)
-    examples = arithmetic.teacher_examples(train_problems, config.task, config.seed)
+    if not config.sft.steps:
+        return state
+    examples = (demonstrations(train_problems, config.seed) if config.data.train_file is not None
+                else arithmetic.teacher_examples(train_problems, config.task, config.seed))
     # step n: the record of the n-th update, counted from 1 as RL's steps are
     bar = progress.steps(1, config.sft.steps, "warm start", config.progress)
     for step in bar:

@@ -1,16 +1,23 @@
 """Loss terms and their composition, in the manner of `optax.chain`.
 
 A *term* is a pure function `(LossInputs, Normalizers, Controls) -> (scalar, metrics)`. `combine` adds
-terms; `build_loss(config)` assembles the terms a `LossConfig` names. A new variant is a new term (or a
-new per-token objective handed to `policy_term`) passed to the trainer; nothing in the trainer changes:
+terms; `build_loss(config)` assembles the terms a `LossConfig` names. A new variant is a new per-token
+objective (used by `policy_term`) or a new term, registered by name and named in the config; nothing in the
+trainer changes:
 
-    def my_objective(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c):
+    from jaxrl import registry
+
+    @registry.register("objective", "tanh_surrogate")
+    def tanh_surrogate(log_ratio, advantages, logp, mask, eps_low, eps_high, dual_clip_c):
         ratio = jnp.exp(log_ratio)
         return -jnp.tanh(ratio * advantages), {}
 
-    loss = losses.combine(losses.policy_term(my_objective, aggregation="token-mean"),
-                          losses.kl_term(0.01, "k3"))
-    loop.run(config, loss=loss)
+    @registry.register("term", "sq_log_ratio")
+    def sq_log_ratio(inputs, norm, controls):
+        per_token = 0.5 * jnp.square(inputs.logp - jax.lax.stop_gradient(inputs.old_logp))
+        return 0.05 * aggregate(per_token, inputs.mask, "token-mean", norm), {}
+
+    # YAML: imports: [my_losses]   rl: {loss: {objective: tanh_surrogate, terms: [sq_log_ratio]}}
 
 Metrics of a (micro-)batch are normalised by whole-batch counts (`Normalizers`), so the trainer adds them
 up over micro-batches (`_max`/`_min` names are maxed/minned, see `aggregation.reduce_metrics`).
@@ -212,7 +219,8 @@ def combine(*terms: Term) -> Term:
 
 
 def build_loss(config: LossConfig, *, with_critic: bool = False) -> Term:
-    """The loss a `LossConfig` describes (the value term only when a critic is trained)."""
+    """The loss a `LossConfig` describes (the value term only when a critic is trained; `config.terms`, the
+    user's own registered terms, last)."""
     agg = config.aggregation
     terms = [policy_term(config.objective, config.ratio, agg, config.clip_eps_low, config.clip_eps_high,
                          config.dual_clip_c)]
@@ -224,4 +232,5 @@ def build_loss(config: LossConfig, *, with_critic: bool = False) -> Term:
         terms.append(kl_cov_term(config.kl_cov_coef, agg))
     if with_critic:
         terms.append(value_term(config.value_coef, config.value_clip_eps))
+    terms += [registry.resolve("term", name, f"rl.loss.terms[{i}]").fn for i, name in enumerate(config.terms)]
     return combine(*terms)

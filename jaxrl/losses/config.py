@@ -112,6 +112,9 @@ class LossConfig:
     temperature_rate: float = _field(0.5, gt=0)
     temperature_min: float = _field(0.5, gt=0)
     temperature_max: float = _field(2.0, gt=0)
+    # Loss terms of the user's own added to the loss (jaxrl.registry kind `term`, or module:function), each
+    # `(LossInputs, Normalizers, Controls) -> (scalar, metrics)` like the built-in terms of jaxrl.losses.compose.
+    terms: tuple[str, ...] = ()
     # Value loss (with a critic).
     value_coef: float = _field(0.5, ge=0)
     value_clip_eps: float | None = _field(0.2, gt=0)
@@ -144,7 +147,9 @@ class LossConfig:
         return {f"{prefix}.objective": registry.resolve("objective", self.objective, f"{prefix}.objective"),
                 f"{prefix}.ratio": registry.resolve("ratio", self.ratio, f"{prefix}.ratio"),
                 f"{prefix}.advantage.estimator": registry.resolve("advantage", self.advantage.estimator,
-                                                                  f"{prefix}.advantage.estimator")}
+                                                                  f"{prefix}.advantage.estimator"),
+                **{f"{prefix}.terms[{i}]": registry.resolve("term", name, f"{prefix}.terms[{i}]")
+                   for i, name in enumerate(self.terms)}}
 
     def check_pieces(self, prefix: str = "rl.loss") -> None:
         """The checks that depend on what the named objective, ratio and estimator are (`imports:` are imported
