@@ -357,7 +357,8 @@ class Config:
     output_dir: str = "runs/default"
     progress: bool = True  # progress bars on stderr
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <output_dir>/tensorboard
-    wandb: bool = False  # also log metrics to Weights & Biases (the `wandb` extra; see `log`), files under <output_dir>/wandb
+    # also log metrics to Weights & Biases (the `wandb` extra; see `log`), files under <output_dir>/wandb
+    wandb: bool = False
     # Go on from the newest checkpoint in output_dir (parameters, optimizer state, critic, controls, data
     # position, RL step): the result equals an uninterrupted run's. The model must be the checkpoint's.
     resume: bool = False

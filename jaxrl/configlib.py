@@ -293,6 +293,8 @@ def _type_name(tp) -> str:
         if args[-1] is Ellipsis:
             return f"list of {_type_name(args[0])}"
         return "list of " + ", ".join(_type_name(a) for a in args)
+    if _is_mapping_type(inner):
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}"
     return getattr(inner, "__name__", str(inner))
 
 

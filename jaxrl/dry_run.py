@@ -68,6 +68,7 @@ def dry_run(config) -> tuple[list[Check], bool]:
     checkpoint_tokenizer, generator = setup.load_checkpoint_tokenizer, setup.make_generator
     from jaxrl import losses
     from jaxrl.extras import check_extras
+    from jaxrl.metrics import enabled_writers
     from jaxrl.loop.rollout import row_of
     from jaxrl.rewards.scoring import RewardScorer
     from jaxrl.sharding import data_shard, layout_from
@@ -78,7 +79,7 @@ def dry_run(config) -> tuple[list[Check], bool]:
     state: dict[str, Any] = {}
 
     _check("extras", checks, lambda: (check_extras(config), "installed: " + (
-        ", ".join(k for k in ("tensorboard", "wandb") if getattr(config, k)) or "none needed"))[1])
+        ", ".join(enabled_writers(config)) or "none needed"))[1])
     _check("output_dir", checks, lambda: _output_dir(config, check_fresh_output_dir, resume_point))
 
     def data():

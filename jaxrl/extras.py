@@ -14,10 +14,7 @@ import sys
 import jaxrl
 from jaxrl.errors import JaxrlError
 
-__all__ = ["MissingExtra", "EXTRAS", "check_extras", "install_command", "source_checkout"]
-
-# config key (a top-level bool) -> (pyproject extra, the module it installs)
-EXTRAS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb", "wandb")}
+__all__ = ["MissingExtra", "check_extras", "install_command", "source_checkout"]
 
 
 class MissingExtra(JaxrlError, ImportError):
@@ -57,9 +54,15 @@ def _installed(module: str) -> bool:
 
 
 def check_extras(config) -> None:
-    """Raise `MissingExtra` for the first config key that is on (`tensorboard: true`, `wandb: true`) whose
-    package is missing, with the command that installs it. Imports nothing."""
-    for key, (extra, module) in EXTRAS.items():
-        if getattr(config, key) and not _installed(module):
+    """Raise `MissingExtra` for the first config key that is on (`tensorboard: true`, `wandb: true`: the
+    registered writers' `extra` and `package`) whose package is missing, with the command that installs it.
+    Imports none of those packages."""
+    from jaxrl import registry
+    from jaxrl.metrics import enabled_writers
+
+    for key in enabled_writers(config):
+        info = registry.resolve("writer", key, key).info
+        extra, module = info.get("extra"), info.get("package")
+        if module is not None and not _installed(module):
             raise MissingExtra(f"{key}: true needs the {module} package, which is not installed: "
                                f"{install_command(extra)} (or set {key}: false)")

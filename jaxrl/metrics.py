@@ -108,13 +108,21 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def build_mirrors(config, output_dir: str | os.PathLike) -> list[Any]:
-    """The metrics mirrors a run's config turns on (`tensorboard: true`, `wandb: true`), each the registered
-    writer of that name built on `<output_dir>/<name>`. Only the primary process should build them."""
+    """The metrics mirrors a run's config turns on (`tensorboard: true`, `wandb: true`: a top-level bool named
+    after each registered writer), each built on `<output_dir>/<name>`. Only the primary process should build
+    them."""
     from jaxrl import registry
 
-    enabled = [name for name in ("tensorboard", "wandb") if getattr(config, name)]
-    return [registry.resolve("writer", name, name).fn(os.path.join(os.fspath(output_dir), name), config)
-            for name in enabled]
+    return [registry.resolve("writer", name, name).fn(directory=os.path.join(os.fspath(output_dir), name),
+                                                      config=config)
+            for name in enabled_writers(config)]
+
+
+def enabled_writers(config) -> list[str]:
+    """The registered writers the config turns on (a top-level bool of the writer's name set to true)."""
+    from jaxrl import registry
+
+    return [name for name in registry.names("writer") if getattr(config, name, False) is True]
 
 
 class TensorBoardMirror:
@@ -134,7 +142,7 @@ class TensorBoardMirror:
         self._writer.close()
 
 
-@registry.register("writer", "tensorboard")
+@registry.register("writer", "tensorboard", extra="tensorboard", package="tensorboardX")
 def tensorboard_mirror(directory: str, config) -> TensorBoardMirror:
     """`tensorboard: true`: TensorBoard event files under `<output_dir>/tensorboard`."""
     return TensorBoardMirror(directory)
@@ -166,7 +174,7 @@ class WandbMirror:
         self._run.finish()
 
 
-@registry.register("writer", "wandb")
+@registry.register("writer", "wandb", extra="wandb", package="wandb")
 def wandb_mirror(directory: str, config) -> WandbMirror:
     """`wandb: true`: a wandb run named `log.wandb_name` (default: output_dir's basename) in project
     `log.wandb_project`, in mode `log.wandb_mode` (None: wandb's default or `WANDB_MODE`), its files under

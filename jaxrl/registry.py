@@ -25,7 +25,8 @@ Kinds, and the call a piece of each kind gets:
 - `reward`: per completion, any of `prompt, completion, reference, row` by name `-> float`; or batched, any of
   `prompts, completions, references, rows` (lists) `-> sequence of floats`. A class is instantiated once per
   reward worker (no arguments) and its instances called like a function (a reward model, a judge).
-- `writer`: `(directory: str, config)` (by name) `-> object with write(record: dict) and close()`: mirrors metrics.jsonl.
+- `writer`: `(directory: str, config)` (by name) `-> object with write(record: dict) and close()`: mirrors
+  metrics.jsonl; turned on by a top-level bool of its name (`wandb: true`).
 
 `needs` says what a piece needs from the run: `entropy` (per-token policy entropy), `critic` (values),
 `greedy_rollouts` (a greedy completion per prompt, scored), `binary_rewards` (right-or-wrong outcomes only).
@@ -168,7 +169,8 @@ def resolve(kind: str, ref: str, field: str) -> Entry:
         _builtins()
         entry = _ENTRIES[kind].get(ref)
         if entry is None:
-            raise RegistryError(f"{field}: unknown {kind} {ref!r}; registered: {', '.join(map(repr, names(kind)))}; or name "
+            known = ", ".join(map(repr, names(kind)))
+            raise RegistryError(f"{field}: unknown {kind} {ref!r}; registered: {known}; or name "
                                 "one as module:function, or list the module that registers it under imports:")
         return entry
     module_name, _, attribute = ref.partition(":")

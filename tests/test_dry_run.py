@@ -29,12 +29,13 @@ def test_print_config_lists_every_key_with_type_default_and_choices(capsys):
                for line in lines)
     assert "  chat_template: false  # bool; default false" in lines
     assert "  system_prompt: null  # str or null; default null" in lines
+    assert "  extra: {}  # mapping of str to float; default {}" in lines  # under reward:
     # every leaf of the config is a line
     from jaxrl.config import Config
     from jaxrl.configlib import to_dict
 
-    def leaves(tree):
-        return sum(leaves(v) if isinstance(v, dict) else 1 for v in tree.values())
+    def leaves(tree):  # a mapping field (reward.extra, {} by default) is one line
+        return sum(leaves(v) if isinstance(v, dict) and v else 1 for v in tree.values())
 
     assert sum("  # " in line for line in lines) == leaves(to_dict(Config()))
 
@@ -48,7 +49,7 @@ def test_dry_run_passes_prints_the_rendered_prompt_and_writes_nothing(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == before  # no output_dir, no other file
     assert "    | Q: What is 1+2? A:" in out.splitlines()
     assert "train.jsonl: 2 rows (0 bad skipped)" in out
-    assert "scored as a completion: 1" in out  # the math reward accepts the bare reference "3"
+    assert "scored as a completion: math = 1" in out  # the math reward accepts the bare reference "3"
     assert out.rstrip().endswith("7/7 checks passed")
 
 

@@ -148,10 +148,10 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
 
 
 def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> RolloutResult:
-    """`result` with ReMax's baseline when the estimator is `remax`: each prompt's greedy completion by the
-    policy that sampled `result`, scored and shaped like the samples."""
+    """`result` with ReMax's baseline when the estimator needs greedy rollouts (`remax`): each prompt's greedy
+    completion by the policy that sampled `result`, scored and shaped like the samples."""
     config = sampler.config
-    if config.rl.loss.advantage.estimator != "remax":
+    if "greedy_rollouts" not in config.rl.loss.estimator_needs:
         return result
     greedy = dataclasses.replace(config.rl.sampling, temperature=0.0)
     t0 = time.perf_counter()

@@ -96,8 +96,9 @@ def _require(value, name: str, term: str):
     return value
 
 
-def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str | Callable = "token", aggregation: str = "token-mean",
-                eps_low: float = 0.2, eps_high: float = 0.28, dual_clip_c: float | None = None) -> Term:
+def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str | Callable = "token",
+                aggregation: str = "token-mean", eps_low: float = 0.2, eps_high: float = 0.28,
+                dual_clip_c: float | None = None) -> Term:
     """The policy-gradient term: ratio -> per-token objective -> token weights -> aggregation.
 
     `objective` is a registered objective's name (`jaxrl.registry`, kind `objective`), `module:function`, or a
