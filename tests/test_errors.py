@@ -44,7 +44,7 @@ def test_the_cli_prints_one_line_and_the_exit_code_of_each_error(monkeypatch, ca
 
 
 def test_eval_errors_after_the_config_loads_read_eval_error(monkeypatch, capsys):
-    monkeypatch.setattr(loop, "evaluate_checkpoint", lambda *a: (_ for _ in ()).throw(CheckpointError("gone")))
+    monkeypatch.setattr(loop, "evaluate_checkpoint", lambda *a, **k: (_ for _ in ()).throw(CheckpointError("gone")))
     assert cli.main(["eval", "configs/default.yaml", "checkpoint=somewhere"]) == 2
     assert capsys.readouterr().err.strip() == "jaxrl: eval error: gone"
     assert cli.main(["eval", "configs/default.yaml", "checkpoint=somewhere", "rl.steps=many"]) == 2
