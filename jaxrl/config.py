@@ -346,6 +346,9 @@ class LogConfig:
     # (prompt, completion, reference, reward components, advantage, length, finish reason); 0: off.
     samples_every: int = _field(10, ge=0)
     samples_per_step: int = _field(4, gt=0)
+    # More metrics writers of the user's own (jaxrl.registry kind `writer`, or module:function), each called as
+    # `writer(directory=<output_dir>/<name>, config=...)` and given every record metrics.jsonl gets.
+    writers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +391,8 @@ class Config:
 
     def pieces(self) -> dict[str, registry.Entry]:
         """Config field -> the registry entry it names: every named reward (`reward.function`, one
-        `reward.extra.<name>` per extra reward, `eval.reward` when set), objective, ratio and estimator."""
+        `reward.extra.<name>` per extra reward, `eval.reward` when set), writer (`log.writers`), objective, ratio,
+        estimator and loss term."""
         pieces = {"reward.function": registry.resolve("reward", self.reward.function, "reward.function")}
         for name in self.reward.extra:
             field = f"reward.extra.{name}"
@@ -398,6 +402,8 @@ class Config:
                 raise registry.RegistryError(str(e), field=field) from None
         if self.eval.reward is not None:
             pieces["eval.reward"] = registry.resolve("reward", self.eval.reward, "eval.reward")
+        pieces.update({f"log.writers[{i}]": registry.resolve("writer", name, f"log.writers[{i}]")
+                       for i, name in enumerate(self.log.writers)})
         return {**pieces, **self.rl.loss.pieces("rl.loss")}
 
     def check_pieces(self) -> None:

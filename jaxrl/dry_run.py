@@ -79,7 +79,7 @@ def dry_run(config) -> tuple[list[Check], bool]:
     state: dict[str, Any] = {}
 
     _check("extras", checks, lambda: (check_extras(config), "installed: " + (
-        ", ".join(enabled_writers(config)) or "none needed"))[1])
+        ", ".join(name for _, name in enabled_writers(config)) or "none needed"))[1])
     _check("output_dir", checks, lambda: _output_dir(config, check_fresh_output_dir, resume_point))
 
     def data():

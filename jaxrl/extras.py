@@ -60,8 +60,8 @@ def check_extras(config) -> None:
     from jaxrl import registry
     from jaxrl.metrics import enabled_writers
 
-    for key in enabled_writers(config):
-        info = registry.resolve("writer", key, key).info
+    for key, name in enabled_writers(config):
+        info = registry.resolve("writer", name, key).info
         extra, module = info.get("extra"), info.get("package")
         if module is not None and not _installed(module):
             raise MissingExtra(f"{key}: true needs the {module} package, which is not installed: "

@@ -108,21 +108,27 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def build_mirrors(config, output_dir: str | os.PathLike) -> list[Any]:
-    """The metrics mirrors a run's config turns on (`tensorboard: true`, `wandb: true`: a top-level bool named
-    after each registered writer), each built on `<output_dir>/<name>`. Only the primary process should build
-    them."""
+    """The metrics mirrors a run's config turns on: the built-in writers by their top-level bools
+    (`tensorboard: true`, `wandb: true`) and the user's own in `log.writers`, each built on
+    `<output_dir>/<name>` (a `module:function` name's directory is its function's name). Only the primary
+    process should build them."""
     from jaxrl import registry
 
-    return [registry.resolve("writer", name, name).fn(directory=os.path.join(os.fspath(output_dir), name),
-                                                      config=config)
-            for name in enabled_writers(config)]
+    mirrors = []
+    for field, name in enabled_writers(config):
+        entry = registry.resolve("writer", name, field)
+        directory = os.path.join(os.fspath(output_dir), name.rpartition(":")[2])
+        mirrors.append(entry.fn(directory=directory, config=config))
+    return mirrors
 
 
-def enabled_writers(config) -> list[str]:
-    """The registered writers the config turns on (a top-level bool of the writer's name set to true)."""
+def enabled_writers(config) -> list[tuple[str, str]]:
+    """`(config field, writer name)` of every writer the config turns on: a registered writer whose name is a
+    top-level bool set to true (`wandb`), then `log.writers`."""
     from jaxrl import registry
 
-    return [name for name in registry.names("writer") if getattr(config, name, False) is True]
+    builtin = [(name, name) for name in registry.names("writer") if getattr(config, name, False) is True]
+    return builtin + [(f"log.writers[{i}]", name) for i, name in enumerate(config.log.writers)]
 
 
 class TensorBoardMirror:

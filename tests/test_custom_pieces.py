@@ -74,6 +74,11 @@ def test_own_pieces_from_yaml_record_and_resume_bit_for_bit(tmp_path):
     assert recorded["reward.function"][0] == "my_rewards:step_credit"
     assert recorded["rl.loss.objective"][0] == "my_losses:tanh_surrogate"
     assert recorded["rl.loss.advantage.estimator"][0] == "my_losses:median_baseline"
+    assert recorded["log.writers[0]"][0] == "my_writer:JsonlCopy"
+    with open(whole / "JsonlCopy" / "records.jsonl") as f:  # the writer got every record metrics.jsonl got
+        copied = [json.loads(line) for line in f]
+    with open(whole / "metrics.jsonl") as f:
+        assert [r["step"] for r in copied] == [json.loads(line)["step"] for line in f]
     summary = json.loads((part / "summary.json").read_text())
     assert summary["piece_sources"] == saved["piece_sources"]
     assert _rl_records(part)[1]["step"] == 1 and "reward/mean" in _rl_records(part)[1]

@@ -7,9 +7,10 @@ import pytest
 from jaxrl.extras import MissingExtra, check_extras, install_command, source_checkout
 
 
-class _Config:
-    def __init__(self, tensorboard=False, wandb=False):
-        self.tensorboard, self.wandb = tensorboard, wandb
+def _Config(tensorboard=False, wandb=False):
+    from jaxrl.config import Config
+
+    return Config(tensorboard=tensorboard, wandb=wandb)
 
 
 @pytest.mark.parametrize("key, module", [("wandb", "wandb"), ("tensorboard", "tensorboardX")])
