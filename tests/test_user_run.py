@@ -5,6 +5,7 @@ through `loop.run` and `jaxrl train` (--dry-run, --print-config)."""
 import importlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ SYSTEM = "Answer with the number only."
 
 def _chat_row(a: int, b: int) -> dict:
     return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{a}+{b}="},
-                         {"role": "assistant", "content": str(a + b)}], "question": f"{a}+{b}="}
+                         {"role": "assistant", "content": str(a + b)}], "question": f"{a}+{b}=", "level": a}
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +102,94 @@ def test_a_chat_file_gives_a_warm_start_then_rl(chat_files, tmp_path, monkeypatc
     assert set(rendered) <= set(answers) | eval_prompts
     assert set(answers) & set(rendered) and eval_prompts <= set(rendered)
     assert all(text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n") for text in rendered)
+
+
+SAMPLE_KEYS = {"step", "prompt", "completion", "reference", "rewards", "reward", "advantage", "length",
+               "finish_reason"}
+
+
+def test_samples_jsonl_holds_the_configured_rows_and_a_resume_keeps_it_consistent(chat_files, tmp_path):
+    """log.samples_every=1, log.samples_per_step=3: 3 rows per RL step, each complete. A run stopped after
+    step 3 wrote its samples but before its checkpoint (checkpoint 3 removed) resumes from checkpoint 2: the
+    file again holds steps 1-3 once each, the first two steps' rows untouched, step 3's sampled again alike."""
+    tmp, tiny = chat_files
+    out = tmp_path / "run"
+    more = ["rl.steps=3", "checkpoint.every=2", "log.samples_every=1", "log.samples_per_step=3"]
+    _run(tmp, tiny, out, *more)
+    first = _lines(out / "samples.jsonl")
+    assert [r["step"] for r in first] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    questions = {r["question"]: r for r in _lines(tmp / "train.jsonl")}
+    for record in first:
+        assert set(record) == SAMPLE_KEYS and set(record["rewards"]) == {"correct"}
+        row = questions[record["prompt"]]  # the row's prompt text (its last user message), not the ChatML
+        assert record["reference"] == row["messages"][-1]["content"]
+        assert record["finish_reason"] in ("eos", "length") and 1 <= record["length"] <= 4
+        assert record["reward"] == record["rewards"]["correct"] and np.isfinite(record["advantage"])
+    assert len({r["prompt"] for r in first if r["step"] == 1}) == 2  # one of each group first, then the second
+
+    assert sorted(int(d) for d in os.listdir(out / "checkpoints") if d.isdigit()) == [2, 3]
+    shutil.rmtree(out / "checkpoints" / "3")
+    _run(tmp, tiny, out, *more, "resume=true")
+    assert _lines(out / "samples.jsonl") == first
+
+
+def test_batched_stateful_and_row_rewards_in_a_run(chat_files, tmp_path, monkeypatch):
+    """reward.function takes prompt and row; reward.extra holds a batched reward class (one instance per worker)
+    and a per-item reward of the row: each is logged as reward/<name> in metrics.jsonl and samples.jsonl.
+    log.samples_every=2 over 3 steps logs step 2 alone."""
+    tmp, tiny = chat_files
+    instances = tmp_path / "judges"
+    monkeypatch.setenv("REWARD_FNS_INSTANCES", str(instances))
+    out = tmp_path / "run"
+    summary = _run(tmp, tiny, out, "rl.steps=3", "reward.function=reward_fns:prompt_is_question",
+                   "reward.extra={reward_fns:CountingJudge: 0.1, reward_fns:row_level: 0.5}",
+                   "log.samples_every=2", "log.samples_per_step=3")
+    updates = [r for r in read_metrics(str(out / "metrics.jsonl")) if "train/loss" in r]
+    assert [r["step"] for r in updates] == [1, 2, 3]
+    for record in updates:
+        # Every completion's prompt is its row's question: the reward saw each item's own prompt and row.
+        assert record["reward/correct"] == 1.0 and record["reward/reward_fns:CountingJudge"] == 1.0
+        assert 1.0 <= record["reward/reward_fns:row_level"] <= 4.0
+        assert record["reward/errors"] == 0.0 and record["reward/timeouts"] == 0.0
+    # One judge in the extra's one worker, called with one chunk per step.
+    (pid,) = instances.read_text().split()
+    assert (tmp_path / "judges.calls").read_text().split("\n")[:-1] == [f"{pid} {n}" for n in (1, 2, 3)]
+
+    samples = _lines(out / "samples.jsonl")
+    assert [r["step"] for r in samples] == [2, 2, 2]
+    for record in samples:
+        level = float(record["prompt"].split("+")[0])  # the row's `level` is its first operand
+        assert record["rewards"] == {"correct": 1.0, "reward_fns:CountingJudge": 1.0,
+                                     "reward_fns:row_level": level}
+        assert record["reward"] == pytest.approx(1.0 + 0.1 + 0.5 * level)
+    # The held-out metric is named after the (non-binary) evaluation reward, which scores the eval rows.
+    assert summary["eval_reward"] == "reward_fns:prompt_is_question"
+    assert summary["reward_before_rl"] == summary["reward_after_rl"] == 1.0
+    assert "accuracy_after_rl" not in summary
+
+
+def _chat_recipe(tmp, tiny, output_dir):
+    recipe = tmp / "chat.yaml"
+    recipe.write_text("\n".join([
+        "pretrained:", f"  path: {tiny}", "data:", f"  train_file: {tmp / 'train.jsonl'}",
+        f"  eval_file: {tmp / 'eval.jsonl'}", "  format: messages", "  chat_template: true",
+        "reward:", "  function: math", "sft:", "  steps: 2", f"output_dir: {output_dir}", ""]))
+    return recipe
+
+
+def test_dry_run_and_print_config_of_a_chat_recipe(chat_files, tmp_path, capsys):
+    """`jaxrl train RECIPE --dry-run` prints the first conversation through the chat template and exits 0 without
+    creating output_dir; `--print-config` shows data.format."""
+    tmp, tiny = chat_files
+    recipe = _chat_recipe(tmp_path, tiny, tmp_path / "out")
+    shutil.copy(tmp / "train.jsonl", tmp_path / "train.jsonl")
+    shutil.copy(tmp / "eval.jsonl", tmp_path / "eval.jsonl")
+    assert main(["train", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    first = _rendered(_lines(tmp / "train.jsonl")[0])
+    assert "\n".join(f"    | {line}" for line in first.split("\n")) in out
+    assert main(["train", str(recipe), "--print-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith('  format: "messages"  # ') and '(changed)' in line for line in lines)
+    assert not (tmp_path / "out").exists()
