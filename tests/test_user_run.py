@@ -193,3 +193,39 @@ def test_dry_run_and_print_config_of_a_chat_recipe(chat_files, tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith('  format: "messages"  # ') and '(changed)' in line for line in lines)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_conversation_that_ends_with_the_user_is_all_prompt(chat_files, tmp_path):
+    """A multi-turn chat row whose last message is the user's (history, then the question to answer) is a prompt
+    as a whole: its earlier assistant turn is history, neither the answer nor the reference. (It was cut to the
+    turns before that assistant message, the trailing question dropped.)"""
+    from jaxrl.data.prompts import PromptFields, load_prompts
+    from jaxrl.data.render import render_prompt
+    from jaxrl.tokenizer import load_tokenizer
+
+    _, tiny = chat_files
+    turns = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": "5"},
+             {"role": "user", "content": "times 4="}]
+    path = tmp_path / "multi.jsonl"
+    path.write_text(json.dumps({"messages": turns, "answer": "20"}) + "\n" +
+                    json.dumps({"messages": [*turns, {"role": "assistant", "content": "20"}]}) + "\n")
+    (open_ended, answered), _ = load_prompts(path, PromptFields(format="messages"))
+    for record in (open_ended, answered):
+        assert (record.messages, record.prompt, record.reference) == (tuple(turns), "times 4=", "20")
+    assert (open_ended.solution, answered.solution) == (None, "20")
+    assert render_prompt(open_ended, load_tokenizer(tiny), chat_template=True) == (
+        "<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n<|im_start|>user\ntimes 4=<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+@pytest.mark.xfail(strict=True, reason="jaxrl/dry_run.py does not check the warm start's demonstrations")
+def test_dry_run_refuses_a_warm_start_without_demonstrations(chat_files, tmp_path, capsys):
+    """sft.steps > 0 on a chat file without assistant answers: the run refuses it (NoDemonstrations, before any
+    model loads), so the dry run should fail too, rather than report every check passed."""
+    tmp, tiny = chat_files
+    recipe = _chat_recipe(tmp_path, tiny, tmp_path / "out")
+    rows = [{"messages": r["messages"][:-1], "answer": r["messages"][-1]["content"]} for r in _lines(tmp / "train.jsonl")]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shutil.copy(tmp / "eval.jsonl", tmp_path / "eval.jsonl")
+    assert main(["train", str(recipe), "--dry-run"]) == 2
+    assert "needs demonstrations" in capsys.readouterr().out
