@@ -44,7 +44,7 @@ def _overrides(tmp, tiny, output_dir, *more):
             "data.format=messages", "data.chat_template=true", "sft.steps=0", "sft.batch_size=4", "rl.steps=2",
             "rl.prompts_per_step=2", "rl.group_size=2", "rl.sampling.max_new_tokens=4", "eval.every=0",
             "eval.batch_size=2", "checkpoint.every=0", "reward.function=math", "reward.num_workers=1",
-            "progress=false", "log.samples_every=0", f"output_dir={output_dir}", *more]
+            "progress=false", "data.prompt_buckets=1", "log.samples_every=0", f"output_dir={output_dir}", *more]
 
 
 def _run(tmp, tiny, output_dir, *more):
