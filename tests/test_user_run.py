@@ -14,11 +14,13 @@ from jaxrl import loop
 from jaxrl.cli import main
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
-from jaxrl.loop.generate import Generator
 from jaxrl.metrics import read_metrics
 from jaxrl.tiny import write_tiny_checkpoint
+from jaxrl.tokenizer import encode_prompt, load_tokenizer
 
-warm_start_module = importlib.import_module("jaxrl.loop.warm_start")  # jaxrl.loop.warm_start is also a function
+# jaxrl.loop.warm_start is also a function, jaxrl.loop.generate the module of the Generator
+warm_start_module = importlib.import_module("jaxrl.loop.warm_start")
+generate_module = importlib.import_module("jaxrl.loop.generate")
 
 SYSTEM = "Answer with the number only."
 
@@ -65,25 +67,24 @@ def _lines(path) -> list[dict]:
 def test_a_chat_file_gives_a_warm_start_then_rl(chat_files, tmp_path, monkeypatch):
     """Acceptance: a JSONL of chat `messages` with assistant answers gives a supervised warm start and then RL on
     the same file. The warm start learns the assistant answers after the ChatML-rendered conversations; the
-    sampler sees those conversations too."""
+    sampler's prompt tokens are those conversations too (the row's own system turn first)."""
     tmp, tiny = chat_files
     rows = _lines(tmp / "train.jsonl")
     answers = {_rendered(r): r["messages"][-1]["content"] for r in rows}
-    examples, rendered = [], []
-    encode = warm_start_module.encode_examples
-    render = Generator.render
+    examples, sampled = [], []
+    encode, sample = warm_start_module.encode_examples, generate_module.sample
 
     def spy_encode(tokenizer, prompts, solutions, *args, **kwargs):
         examples.extend(zip(prompts, solutions))
         return encode(tokenizer, prompts, solutions, *args, **kwargs)
 
-    def spy_render(self, item):
-        text = render(self, item)
-        rendered.append(text)
-        return text
+    def spy_sample(policy, tokens, valid, *args, **kwargs):
+        tokens, valid = np.asarray(tokens), np.asarray(valid)
+        sampled.extend(tuple(row[keep].tolist()) for row, keep in zip(tokens, valid))
+        return sample(policy, tokens, valid, *args, **kwargs)
 
     monkeypatch.setattr(warm_start_module, "encode_examples", spy_encode)
-    monkeypatch.setattr(Generator, "render", spy_render)
+    monkeypatch.setattr(generate_module, "sample", spy_sample)
     summary = _run(tmp, tiny, tmp_path / "run", "sft.steps=3", "sft.optim.learning_rate=0.01")
 
     # The warm start: 3 steps of 4 demonstrations, each the rendered conversation -> its assistant answer.
@@ -94,14 +95,20 @@ def test_a_chat_file_gives_a_warm_start_then_rl(chat_files, tmp_path, monkeypatc
     sft = [r for r in records if r.get("phase") == "sft"]
     assert [r["step"] for r in sft] == [1, 3] and all(np.isfinite(r["loss"]) for r in sft)
     assert sft[-1]["loss"] < sft[0]["loss"]  # lr 0.01 on 8 short answers: the loss falls within 3 steps
-    # Then RL on the same file: both steps ran, and every prompt the sampler rendered is a train or eval
-    # conversation through the chat template (the system turn is the row's own).
+    # Then RL on the same file: both steps ran, and every prompt the sampler was given is the tokens of a train or
+    # eval conversation through ChatML (written out in `_rendered`, the row's own system turn first).
     updates = [r["step"] for r in records if r.get("phase") == "rl" and "train/loss" in r]
     assert updates == [1, 2] and summary["eval_reward"] == "math" and "accuracy_after_rl" in summary
-    eval_prompts = {_rendered(r) for r in _lines(tmp / "eval.jsonl")}
-    assert set(rendered) <= set(answers) | eval_prompts
-    assert set(answers) & set(rendered) and eval_prompts <= set(rendered)
-    assert all(text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n") for text in rendered)
+    tokenizer = load_tokenizer(tiny)
+
+    def ids(texts):
+        return {tuple(encode_prompt(tokenizer, text, templated=True)) for text in texts}
+
+    train_ids, eval_ids = ids(answers), ids(_rendered(r) for r in _lines(tmp / "eval.jsonl"))
+    assert train_ids.isdisjoint(eval_ids)
+    # 2 held-out evaluations of 2 problems, 2 RL steps of 2 prompts (each prefilled once for its 2 samples)
+    assert len(sampled) == 2 * 2 + 2 * 2 and set(sampled) <= train_ids | eval_ids
+    assert set(sampled) >= eval_ids and len(set(sampled) & train_ids) >= 2
 
 
 SAMPLE_KEYS = {"step", "prompt", "completion", "reference", "rewards", "reward", "advantage", "length",
