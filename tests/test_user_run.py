@@ -205,7 +205,8 @@ def test_dry_run_and_print_config_of_a_chat_recipe(chat_files, tmp_path, capsys)
 def test_a_conversation_that_ends_with_the_user_is_all_prompt(chat_files, tmp_path):
     """A multi-turn chat row whose last message is the user's (history, then the question to answer) is a prompt
     as a whole: its earlier assistant turn is history, neither the answer nor the reference. (It was cut to the
-    turns before that assistant message, the trailing question dropped.)"""
+    turns before that assistant message, the trailing question dropped.) A chat row with a final answer and a
+    null reference field (a Parquet column's gap) takes its reference from the answer (it was a bad row)."""
     from jaxrl.data.prompts import PromptFields, load_prompts
     from jaxrl.data.render import render_prompt
     from jaxrl.tokenizer import load_tokenizer
@@ -215,9 +216,9 @@ def test_a_conversation_that_ends_with_the_user_is_all_prompt(chat_files, tmp_pa
              {"role": "user", "content": "times 4="}]
     path = tmp_path / "multi.jsonl"
     path.write_text(json.dumps({"messages": turns, "answer": "20"}) + "\n" +
-                    json.dumps({"messages": [*turns, {"role": "assistant", "content": "20"}]}) + "\n")
+                    json.dumps({"messages": [*turns, {"role": "assistant", "content": "20"}], "answer": None}) + "\n")
     (open_ended, answered), _ = load_prompts(path, PromptFields(format="messages"))
-    for record in (open_ended, answered):
+    for record in (open_ended, answered):  # a null reference field is no reference: the answer is
         assert (record.messages, record.prompt, record.reference) == (tuple(turns), "times 4=", "20")
     assert (open_ended.solution, answered.solution) == (None, "20")
     assert render_prompt(open_ended, load_tokenizer(tiny), chat_template=True) == (

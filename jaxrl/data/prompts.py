@@ -18,7 +18,7 @@ common layouts:
 
 Chat rows (`format="messages"`, OpenAI style): `{"messages": [{"role": "system" | "user" | "assistant", "content":
 str}, ...], ...}`. When the last message is the assistant's, it is the answer: the demonstration (`solution`) and,
-unless the row has the reference field, the reference (then `reference_pattern` / `reference_from` apply to it);
+unless the row's reference field holds a value (not null), the reference (then `reference_pattern` / `reference_from` apply to it);
 the messages before it are the prompt conversation. Otherwise the whole conversation is the prompt (earlier
 assistant turns are history, not answers). The prompt conversation must end with a user turn.
 A system message may only come first. A chat record's `prompt` is its last user message; `record.messages`
@@ -300,7 +300,7 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
     if fields.format == "messages":
         conversation, answer = _conversation(row, fields)
-        if fields.reference in row or answer is None:
+        if row.get(fields.reference) is not None or answer is None:  # null: absent (a Parquet column's gap)
             reference = _reference(_field_value(row, fields.reference), fields, fields.reference)
         else:
             reference = _reference(answer, fields, None)
