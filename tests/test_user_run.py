@@ -232,7 +232,8 @@ def test_dry_run_refuses_a_warm_start_without_demonstrations(chat_files, tmp_pat
     model loads), so the dry run should fail too, rather than report every check passed."""
     tmp, tiny = chat_files
     recipe = _chat_recipe(tmp_path, tiny, tmp_path / "out")
-    rows = [{"messages": r["messages"][:-1], "answer": r["messages"][-1]["content"]} for r in _lines(tmp / "train.jsonl")]
+    rows = [{"messages": r["messages"][:-1], "answer": r["messages"][-1]["content"]}
+            for r in _lines(tmp / "train.jsonl")]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     shutil.copy(tmp / "eval.jsonl", tmp_path / "eval.jsonl")
     assert main(["train", str(recipe), "--dry-run"]) == 2

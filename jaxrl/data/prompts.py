@@ -18,9 +18,10 @@ common layouts:
 
 Chat rows (`format="messages"`, OpenAI style): `{"messages": [{"role": "system" | "user" | "assistant", "content":
 str}, ...], ...}`. When the last message is the assistant's, it is the answer: the demonstration (`solution`) and,
-unless the row's reference field holds a value (not null), the reference (then `reference_pattern` / `reference_from` apply to it);
-the messages before it are the prompt conversation. Otherwise the whole conversation is the prompt (earlier
-assistant turns are history, not answers). The prompt conversation must end with a user turn.
+unless the row's reference field holds a value (not null), the reference (then `reference_pattern` /
+`reference_from` apply to it); the messages before it are the prompt conversation. Otherwise the whole
+conversation is the prompt (earlier assistant turns are history, not answers). The prompt conversation must end
+with a user turn.
 A system message may only come first. A chat record's `prompt` is its last user message; `record.messages`
 is what the model sees, through the chat template (`jaxrl.data.render.render_prompt`).
 
