@@ -230,3 +230,14 @@ class ByteModel:
             data = np.frombuffer(text.encode(), np.uint8)
             features[i] = np.bincount(data, minlength=256) / max(len(data), 1)
         return features @ self.weights
+
+
+def prompt_is_question(prompt: str, completion: str, row: dict) -> float:
+    """1.0 when the prompt is the row's `question` field (whatever the completion): a reward that sees its own
+    row, and no other."""
+    return float(prompt == row["question"])
+
+
+def row_level(completion: str, row: dict) -> float:
+    """The row's `level` field (whatever the completion): a per-item reward of the data row."""
+    return float(row["level"])

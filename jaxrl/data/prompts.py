@@ -17,14 +17,16 @@ common layouts:
   would score it 0 forever. A number becomes `json.dumps(value)` (e.g. `"42"`).
 
 Chat rows (`format="messages"`, OpenAI style): `{"messages": [{"role": "system" | "user" | "assistant", "content":
-str}, ...], ...}`. The prompt conversation is every message before the last assistant message (all of them when
-there is none) and must end with a user turn; the last assistant message is the demonstration (`solution`) and,
-unless the row has the reference field, the reference (then `reference_pattern` / `reference_from` apply to it).
+str}, ...], ...}`. When the last message is the assistant's, it is the answer: the demonstration (`solution`) and,
+unless the row's reference field holds a value (not null), the reference (then `reference_pattern` /
+`reference_from` apply to it); the messages before it are the prompt conversation. Otherwise the whole
+conversation is the prompt (earlier assistant turns are history, not answers). The prompt conversation must end
+with a user turn.
 A system message may only come first. A chat record's `prompt` is its last user message; `record.messages`
 is what the model sees, through the chat template (`jaxrl.data.render.render_prompt`).
 
 Demonstrations for a supervised warm start: `solution` is the `solution` field's string (None when the row
-lacks it or it is null), or a chat row's last assistant message.
+lacks it or it is null), or a chat row's final assistant message.
 
 Text (prompt, reference, test strings) must be valid Unicode: a lone surrogate (JSON `"\\ud83d"` without its
 pair) is a bad row, since no tokenizer or program can take it.
@@ -258,8 +260,8 @@ def _reference(raw: Any, fields: PromptFields, field: str | None) -> str:
 
 
 def _conversation(row: dict, fields: PromptFields) -> tuple[tuple[dict[str, str], ...], str | None]:
-    """`(prompt conversation, last assistant message or None)` of a chat row: the messages before the last
-    assistant message (all when there is none), which must end with a user turn."""
+    """`(prompt conversation, answer or None)` of a chat row: the messages before a final assistant message (the
+    answer), else all of them; the prompt conversation must end with a user turn."""
     name = fields.messages
     raw = _field_value(row, name)
     if not isinstance(raw, list):
@@ -281,7 +283,8 @@ def _conversation(row: dict, fields: PromptFields) -> tuple[tuple[dict[str, str]
         if role == "system" and n:
             raise _BadRow(f"{where} is a system message after the first message")
         messages.append({"role": role, "content": _check_text(content, f"{where} ({role}) content")})
-    last = max((n for n, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    # Only a final assistant message is an answer: after [user, assistant, user] the model answers the last turn.
+    last = len(messages) - 1 if messages[-1]["role"] == "assistant" else None
     prompt = messages if last is None else messages[:last]
     if not prompt or prompt[-1]["role"] != "user":
         ends = "nothing" if not prompt else f"message {len(prompt) - 1} ({prompt[-1]['role']})"
@@ -298,7 +301,7 @@ def _to_record(row: Any, fields: PromptFields, source: str) -> PromptRecord:
         raise _BadRow(f"expected a JSON object, got {type(row).__name__}")
     if fields.format == "messages":
         conversation, answer = _conversation(row, fields)
-        if fields.reference in row or answer is None:
+        if row.get(fields.reference) is not None or answer is None:  # null: absent (a Parquet column's gap)
             reference = _reference(_field_value(row, fields.reference), fields, fields.reference)
         else:
             reference = _reference(answer, fields, None)
