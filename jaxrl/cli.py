@@ -53,6 +53,10 @@ def _inspect(config, args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     checkpoints = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
+    run_config = os.path.join(args.config, "config.yaml")
+    if not checkpoints and os.path.isdir(args.config) and os.path.isfile(run_config):
+        # `jaxrl eval RUN`: the run's newest checkpoint on its own config's held-out problems
+        args.config, checkpoints = run_config, [os.path.dirname(run_config)]
     if len(checkpoints) != 1:
         print("jaxrl: eval needs exactly one checkpoint=PATH (a run, one of its checkpoints/<step>, a policy "
               "checkpoint or a Hugging Face directory)", file=sys.stderr)
@@ -145,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train)
     evaluate = commands.add_parser("eval", help="held-out evaluation of a checkpoint: greedy accuracy, pass@k, maj@k",
                                    description="Evaluate checkpoint=PATH on the recipe's held-out problems; "
-                                               "eval.samples=N eval.pass_k=[1,8] add pass@k and maj@k.")
-    evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply")
+                                               "eval.samples=N eval.pass_k=[1,8] add pass@k and maj@k. "
+                                               "`jaxrl eval RUN_DIR` evaluates a run's newest checkpoint with "
+                                               "its own config.yaml.")
+    evaluate.add_argument("config", help="YAML recipe whose task, data, reward and sampling settings apply, or a "
+                          "run directory")
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                           help="checkpoint=PATH and config overrides")
     evaluate.add_argument("--completions", metavar="FILE", help="also write each held-out problem's greedy "

@@ -219,8 +219,9 @@ class DataConfig:
 
     train_file: str | None = None
     eval_file: str | None = None
-    # prompt: a prompt field + template; messages: OpenAI-style chat rows [{"role", "content"}, ...], whose
-    # conversation before the last assistant message is the prompt (needs chat_template: true)
+    # prompt: a prompt field + template; messages: OpenAI-style chat rows [{"role", "content"}, ...]: a final
+    # assistant message is the answer (demonstration, reference) and the turns before it the prompt; a
+    # conversation ending with a user turn is all prompt (needs chat_template: true)
     format: Literal["prompt", "messages"] = "prompt"
     prompt_field: str = "question"  # row field with the prompt text
     reference_field: str = "answer"  # row field with the reference (string, number, list or dict)

@@ -125,10 +125,9 @@ def dry_run(config) -> tuple[list[Check], bool]:
         with RewardScorer.from_config(config_one) as scorer:
             scored = scorer.score([str(first.reference)], [first.reference], prompts=[first.prompt],
                                   rows=[row_of(first)])
-        failed = {name: (r.timeouts, r.errors) for name, r in scored.results.items() if r.timeouts or r.errors}
+        failed = [f"{name}: an item {r.first_failure}" for name, r in scored.results.items() if r.first_failure]
         if failed:
-            raise ValueError("rewards failed on the first train row's reference (timeouts, errors): " + ", ".join(
-                f"{name} {counts}" for name, counts in failed.items()))
+            raise ValueError("rewards failed on the first train row's reference: " + "; ".join(failed))
         values = ", ".join(f"{config.reward.function if name == 'correct' else name} = {float(v[0]):g}"
                            for name, v in scored.components.items())
         zero = float(scored.rewards[0]) == 0

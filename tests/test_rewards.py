@@ -1,5 +1,6 @@
 """Tests for jaxrl.rewards: answer extraction, equivalence, and the reward pool."""
 
+import logging
 import math
 import os
 import sys
@@ -946,3 +947,18 @@ def test_a_reward_class_is_instantiated_once_per_worker(tmp_path, monkeypatch):
     with RewardPool(reward_fns.BrokenJudge, num_workers=1) as pool:
         with pytest.raises(RuntimeError, match="failed to start: FileNotFoundError: reward_model.safetensors"):
             pool.score(["a"], [""])
+
+
+def test_the_first_failure_is_named_and_warned_about_once(caplog):
+    """A reward that raises scores 0 and is counted; what it raised is kept on the result and logged once per
+    pool as a warning, so a user's broken reward does not fail silently."""
+    caplog.set_level(logging.WARNING, logger="jaxrl.rewards.pool")
+    with RewardPool(reward_fns.fails_on_odd_length, num_workers=1, timeout_s=5.0) as pool:
+        first = pool.score(["odd", "even"], ["", ""])
+        second = pool.score(["odd"], [""])
+        clean = pool.score(["even"], [""])
+    assert (first.errors, second.errors) == (1, 1) and first.rewards.tolist() == [0.0, 1.0]
+    assert "ValueError" in first.first_failure and "odd length" in first.first_failure
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "reward_fns:fails_on_odd_length" in warnings[0] and "odd length" in warnings[0]
+    assert clean.first_failure is None

@@ -488,6 +488,9 @@ def test_jaxrl_eval_of_the_final_checkpoint_reproduces_the_runs_evaluation(tmp_p
     assert result["kind"] == "run" and result["step"] == 2
     assert result["eval/accuracy"] == summary["accuracy_after_rl"]
     assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
+    assert cli.main(["eval", str(out)]) == 0  # a run directory alone: its newest checkpoint and its config.yaml
+    result = json.loads(capsys.readouterr().out)
+    assert result["eval/accuracy"] == summary["accuracy_after_rl"] and result["eval_reward"] == "arithmetic"
     assert cli.main(["eval", "configs/default.yaml", *TINY]) == 2
     assert "exactly one checkpoint=PATH" in capsys.readouterr().err
     assert cli.main(["eval", "configs/default.yaml", *TINY, f"checkpoint={tmp_path / 'nothing'}"]) == 2

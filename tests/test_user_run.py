@@ -226,7 +226,6 @@ def test_a_conversation_that_ends_with_the_user_is_all_prompt(chat_files, tmp_pa
         "<|im_start|>assistant\n")
 
 
-@pytest.mark.xfail(strict=True, reason="jaxrl/dry_run.py does not check the warm start's demonstrations")
 def test_dry_run_refuses_a_warm_start_without_demonstrations(chat_files, tmp_path, capsys):
     """sft.steps > 0 on a chat file without assistant answers: the run refuses it (NoDemonstrations, before any
     model loads), so the dry run should fail too, rather than report every check passed."""

@@ -17,7 +17,6 @@ from jaxrl import configlib, models, registry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.errors import RunConfigError
-from jaxrl.data.demonstrations import demonstration_pairs
 from jaxrl.extras import check_extras
 from jaxrl.loop import held_out, outputs, resume, rl, setup
 from jaxrl.loop.generate import Generator
@@ -125,8 +124,6 @@ def prepare(config: Config, resume_step: int | None) -> Prepared:
     """Everything that can refuse the config, before the output dir changes: data, mesh and batch sizes,
     policy, tokenizer, prompt rendering, the critic and, to resume, the checkpoint itself."""
     train_problems, eval_problems, corpus, data_totals = setup.load_task(config)
-    if config.data.train_file is not None and config.sft.steps:
-        demonstration_pairs(train_problems)  # a warm start from the file needs solutions in it (NoDemonstrations)
     layout = layout_from(config.mesh)
     mesh = layout.mesh
     setup.check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])

@@ -16,6 +16,7 @@ import jax
 from jaxrl import configlib, losses, models
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
+from jaxrl.data.demonstrations import demonstration_pairs
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.errors import RunConfigError
 from jaxrl.losses import Controls
@@ -35,7 +36,8 @@ def optimizer_from(config: OptimConfig):
 def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
     """`(train, held_out, tokenizer corpus, counts)`: the built-in arithmetic task, or the prompt files of
     `config.data`. Items have `.prompt` and `.reference`; a file that cannot be used raises `DataError`
-    naming the config field, the file, the line and the row field."""
+    naming the config field, the file, the line and the row field (`NoDemonstrations` when the warm start,
+    `sft.steps > 0`, would find no solution in `data.train_file`)."""
     data = config.data
     if data.train_file is None:
         train, held_out = arithmetic.make_splits(config.task, config.seed)
@@ -50,6 +52,8 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
         counts[f"data_{name.removesuffix('_file')}_rows"] = len(loaded[name])
         counts[f"data_{name.removesuffix('_file')}_bad_rows_skipped"] = skipped
     train = loaded["train_file"]
+    if config.sft.steps:
+        demonstration_pairs(train)  # a warm start from the file needs solutions in it (NoDemonstrations)
     corpus = [r.prompt for r in train] + [r.reference for r in train] + [r.reference for r in loaded["eval_file"]]
     return train, loaded["eval_file"], corpus, counts
 

@@ -132,12 +132,15 @@ class RewardResult:
       timeouts: items killed at their deadline.
       errors: items that raised, returned garbage, or crashed their worker.
       seconds: wall time of the whole ``score()`` call.
+      first_failure: what went wrong with the first item that failed (e.g. the exception the reward raised), or
+        None when none did.
     """
 
     rewards: np.ndarray
     timeouts: int
     errors: int
     seconds: float
+    first_failure: str | None = None
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Scalars for logging: ``{prefix}mean``, ``std``, ``timeouts``, ``errors``, ``seconds``."""
@@ -430,6 +433,8 @@ class RewardPool:
         # which lives as long as the pool, not on whichever thread (perhaps short-lived) calls score().
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-pool-spawner")
         self._closed = False
+        self._warned = False  # the first failed item is logged as a warning, once per pool
+        self.name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', reward_fn)}"
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -501,6 +506,7 @@ class RewardPool:
         jobs = _chunks(n, self.num_workers, self.batch_size) if self.batched else [range(i, i + 1) for i in range(n)]
         rewards = np.zeros(n, dtype=np.float32)
         timeouts = errors = 0
+        failures: list[str] = []  # what went wrong, in the order it was seen
         pending = deque(range(len(jobs)))
         for w in list(self._workers):
             if w.job is not None:  # left busy by an interrupted call: results are stale
@@ -525,6 +531,8 @@ class RewardPool:
                 for w in list(self._workers):
                     if w.job is not None:
                         log.debug("reward items %s hit the batch deadline", jobs[w.job])
+                        failures.append(f"was unfinished when reward.batch_timeout_s ({self.batch_timeout_s:g} s) "
+                                        "ran out")
                         timeouts += len(jobs[w.job])
                         self._replace(w)
                 timeouts += sum(len(jobs[j]) for j in pending)
@@ -598,26 +606,37 @@ class RewardPool:
                     items = jobs[w.job]
                     if not ok:
                         errors += len(items)
+                        failures.append(f"raised {value}")
                         log.debug("reward items %s failed: %s", items, value)
                     else:
                         values = value if self.batched else [value]
                         if not isinstance(values, list) or len(values) != len(items):
                             errors += len(items)
+                            failures.append(f"returned {type(value).__name__} of {len(items)} items, not a list of "
+                                            f"{len(items)} floats")
                         else:
                             for i, v in zip(items, values):
                                 if isinstance(v, float) and abs(v) <= _FLOAT32_MAX:  # nan fails too
                                     rewards[i] = v
                                 else:
                                     errors += 1
+                                    failures.append(f"returned {v!r}, not a finite float")
                                     log.debug("reward item %d: %r is not a finite float32", i, v)
                     w.job, w.deadline = None, math.inf
                 elif died or msg is not None:
                     errors += len(jobs[w.job])
+                    failures.append(f"killed its worker (exit code {w.process.exitcode})")
                     log.debug("reward worker died on items %s", jobs[w.job])
                     self._replace(w)
                 elif now >= w.deadline:
                     timeouts += len(jobs[w.job])
+                    failures.append(f"took longer than {self.timeout_s * len(jobs[w.job]):g} s")
                     log.debug("reward items %s timed out after %.2fs", jobs[w.job], self.timeout_s * len(jobs[w.job]))
                     self._replace(w)
 
-        return RewardResult(rewards, timeouts, errors, time.monotonic() - start)
+        first = failures[0] if failures else None
+        if first is not None and not self._warned:  # once per pool: the rest are counted (reward/errors, ...)
+            self._warned = True
+            log.warning("reward %s: an item %s; it scores 0, as every failed item does (counted as reward "
+                        "timeouts and errors; this warning is not repeated)", self.name, first)
+        return RewardResult(rewards, timeouts, errors, time.monotonic() - start, first)
