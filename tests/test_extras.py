@@ -39,3 +39,13 @@ def test_installed_extras_pass():
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboardX")
     check_extras(_Config(tensorboard=True, wandb=True))
+
+
+def test_a_run_with_a_missing_extra_stops_before_its_output_dir_exists(tmp_path, monkeypatch):
+    from jaxrl import loop
+    from jaxrl.config import Config
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if it were not installed
+    with pytest.raises(MissingExtra, match=r"tensorboard: true needs the tensorboardX package"):
+        loop.run(Config(output_dir=str(tmp_path / "run"), tensorboard=True))
+    assert not (tmp_path / "run").exists()
