@@ -18,7 +18,7 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.errors import RunConfigError
 from jaxrl.extras import check_extras
-from jaxrl.loop import held_out, outputs, resume, rl, setup
+from jaxrl.loop import held_out, outputs, progress, resume, rl, setup
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.warm_start import warm_start
 from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
@@ -213,7 +213,7 @@ def export_hf(config: Config, policy: models.Policy) -> None:
     exported = policy.replace(params=allgather(policy.params), layout=None)  # whole on each process
     if is_primary():
         models.save_pretrained(exported, os.path.join(config.output_dir, "hf"),
-                               base=setup.hf_files(config.pretrained.path), progress=config.progress)
+                               base=setup.hf_files(config.pretrained.path), progress=progress.bars(config.progress))
 
 
 def make_summary(config: Config, config_source: str, ready: Prepared, policy: models.Policy,

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl import evaluation, rewards
 from jaxrl.config import Config
-from jaxrl.loop import setup
+from jaxrl.loop import progress, setup
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import repeat_each, row_of
 from jaxrl.models.hf import CheckpointError
@@ -171,7 +171,7 @@ def evaluate_checkpoint(config: Config, checkpoint: str, completions_file: str |
     layout = layout_from(config.mesh)
     source = describe_source(checkpoint)
     try:
-        policy = load_policy(checkpoint, layout=layout, progress=config.progress)
+        policy = load_policy(checkpoint, layout=layout, progress=progress.bars(config.progress))
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint: {e}") from None
     tokenizer, _ = setup.load_checkpoint_tokenizer(checkpoint, config, "checkpoint")

@@ -43,6 +43,12 @@ class LogLines:
               flush=True)
 
 
+def bars(enabled: bool) -> bool:
+    """Whether byte-counting bars (loading and saving checkpoints) are drawn: `progress` is on and stderr is a
+    terminal (in a log file their redraws would be one huge line; the load or save is logged instead)."""
+    return enabled and sys.stderr.isatty()
+
+
 def steps(first: int, last: int, desc: str, enabled: bool, total: int | None = None):
     """Steps `first..last` (inclusive) with progress: a tqdm bar on a terminal, `LogLines` otherwise, nothing
     when `enabled` is false or there is no step to run. `total`: the run's step count (default `last`)."""

@@ -20,6 +20,7 @@ from jaxrl.data.demonstrations import demonstration_pairs
 from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.errors import RunConfigError
 from jaxrl.losses import Controls
+from jaxrl.loop import progress
 from jaxrl.loop.generate import Generator
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
@@ -103,7 +104,7 @@ def policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layou
     pretrained = config.pretrained
     try:
         policy = load_policy(pretrained.path, dtype=pretrained.dtype, compute_dtype=pretrained.compute_dtype,
-                             layout=layout, progress=config.progress)
+                             layout=layout, progress=progress.bars(config.progress))
     except CheckpointError as e:
         raise CheckpointError(f"pretrained.path: {e}") from None
     policy = models.replace_config(policy, attention_impl=pretrained.attention_impl, remat=pretrained.remat)
