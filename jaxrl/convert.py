@@ -5,8 +5,8 @@ training-run checkpoints.
     convert("runs/gsm8k", "out/qwen-rl", base="~/models/Qwen2.5-Math-1.5B")   # run -> HF
     save_policy(policy, "ckpt/mine")                           # a policy checkpoint
 
-The sources it reads, and `load_policy` for training and evaluation, are in `jaxrl.policy_io` (re-exported
-here for older code).
+What a checkpoint directory is (`describe_source`) and how a policy is loaded from one (`load_policy`, which
+training and evaluation use too) are `jaxrl.policy_io`'s; this module only converts and saves.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import orbax.checkpoint as ocp
 from jaxrl import configlib, models
 from jaxrl.models.hf import CheckpointError, copy_non_weight_files
 from jaxrl.models.transformer import Policy
-from jaxrl.policy_io import (DTYPES, HF_FILES_DIR, MODEL_FILE, PARAMS_DIR, POLICY_FORMAT, RUN_MODEL_FILE, Source,
+from jaxrl.policy_io import (DTYPES, HF_FILES_DIR, MODEL_FILE, PARAMS_DIR, POLICY_FORMAT, Source,
                              describe_source, load_policy)
 
-__all__ = ["POLICY_FORMAT", "RUN_MODEL_FILE", "ConvertResult", "Source", "convert", "describe_source", "load_policy",
-           "parse_size", "save_policy"]
+__all__ = ["ConvertResult", "convert", "parse_size", "save_policy"]
 
 
 # ----------------------------------------------------------------------------- saving

@@ -15,10 +15,8 @@ from hf_fixtures import FIXTURES, tensors_of
 from jaxrl import cli, configlib
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
-from jaxrl.convert import (
-    HF_FILES_DIR, MODEL_FILE, POLICY_FORMAT, RUN_MODEL_FILE, convert, describe_source, load_policy, parse_size,
-    save_policy,
-)
+from jaxrl.convert import convert, parse_size, save_policy
+from jaxrl.policy_io import HF_FILES_DIR, MODEL_FILE, POLICY_FORMAT, RUN_MODEL_FILE, describe_source, load_policy
 from jaxrl.models import CheckpointError
 
 HF5 = os.path.join(FIXTURES, "transformers5")
