@@ -410,7 +410,6 @@ class Config:
     def check_pieces(self) -> None:
         """Check what every named piece needs against the rest of the config (`configlib` imported `imports:`
         before building any section, so the names they register resolve)."""
-        registry.import_modules(self.imports)  # already imported by configlib; a Config built in Python too
         pieces = self.pieces()
         estimator, needs = self.rl.loss.advantage.estimator, pieces["rl.loss.advantage.estimator"].needs
         if "critic" in needs and self.rl.critic.model == "none":

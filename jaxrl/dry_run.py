@@ -102,10 +102,8 @@ def dry_run(config) -> tuple[list[Check], bool]:
     has_mesh = _check("batch sizes", checks, batches)
 
     def template():
+        setup.check_tokenizer_settings(config)
         if config.pretrained.path is None:
-            if config.tokenizer.path is not None or config.data.chat_template:
-                raise ValueError("tokenizer.path and data.chat_template need pretrained.path: a randomly "
-                                 "initialised model trains with the sentencepiece tokenizer trained for it")
             tokenizer, where = train_tokenizer(state["corpus"], config.tokenizer.vocab_size,
                                                stop_tokens=config.tokenizer.stop_tokens), "trained on the task"
         else:

@@ -47,7 +47,7 @@ from typing import Any
 
 from jaxrl.errors import JaxrlError
 
-__all__ = ["Entry", "RegistryError", "KINDS", "NEEDS", "register", "resolve", "names", "import_modules",
+__all__ = ["Entry", "RegistryError", "KINDS", "NEEDS", "register", "resolve", "names",
            "source_hash", "reward_arguments", "record", "changed"]
 
 
@@ -140,16 +140,6 @@ def names(kind: str) -> tuple[str, ...]:
     """The registered names of `kind`, sorted (built-ins and those registered by modules imported so far)."""
     _builtins()
     return tuple(sorted(_ENTRIES[kind]))
-
-
-def import_modules(modules: Iterable[str], field: str = "imports") -> None:
-    """Import the modules a config lists under `imports:` (their decorators register their pieces)."""
-    for i, module in enumerate(modules):
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's module is this field's error
-            raise RegistryError(f"{field}[{i}]: cannot import module {module!r}: {type(e).__name__}: {e}"
-                                f"{_path_hint(e)}") from None
 
 
 def _path_hint(error: Exception) -> str:

@@ -94,12 +94,10 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
 
 
 def checked(config: Config) -> Config:
-    """`config` with `~` expanded in `output_dir` and the run's own pieces recorded (`piece_sources`), after the
-    checks that need nothing loaded: the optional extras it uses are installed, the tokenizer settings fit."""
+    """`config` with `~` expanded in `output_dir` and the run's own pieces recorded (`piece_sources`), after
+    checking that the optional extras it uses are installed and its tokenizer settings fit a training run."""
     check_extras(config)
-    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
-        raise RunConfigError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
-                             "model trains with the sentencepiece tokenizer trained for it")
+    setup.check_tokenizer_settings(config)
     return dataclasses.replace(config, output_dir=os.path.expanduser(config.output_dir),  # "~/runs/x"
                                piece_sources=registry.record(config.pieces()))
 

@@ -19,7 +19,7 @@ from jaxrl import evaluation, rewards
 from jaxrl.config import Config
 from jaxrl.loop import progress, setup
 from jaxrl.loop.generate import Generator
-from jaxrl.loop.rollout import repeat_each, row_of
+from jaxrl.loop.rollout import score
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
 from jaxrl.sampling import SamplingConfig
@@ -60,13 +60,6 @@ def evaluation_pool(config: Config, scorer: RewardScorer | None = None) -> rewar
     return pool_for(eval_reward(config)[1].fn, config.reward)
 
 
-def _score(evaluator: Evaluator, problems, texts, samples: int = 1) -> np.ndarray:
-    """The evaluation reward of `texts` (rows `p * samples + s` of `problems`) `[len(texts)]`."""
-    return evaluator.pool.score(texts, repeat_each((p.reference for p in problems), samples),
-                                prompts=repeat_each((p.prompt for p in problems), samples),
-                                rows=repeat_each(map(row_of, problems), samples)).rewards
-
-
 def _process_batches(problems, size: int, mesh):
     """Batches of `size` problems, the last padded by repeating its final problem (one compiled program for
     all), each as `(start, chunk, mine, real)`: the unpadded problems, this process's rows of the padded
@@ -90,7 +83,7 @@ def evaluate(policy, generate: Generator, problems, evaluator: Evaluator, batch_
         generation = generate(policy, padded, jax.random.key(0), greedy)
         local_scores = np.zeros(len(padded), np.float32)
         if real:
-            local_scores[:real] = _score(evaluator, padded[:real], generation.texts[:real])
+            local_scores[:real] = score(evaluator.pool, padded[:real], generation.texts[:real], 1).rewards
         row_lengths = generation.local.completion_mask.sum(1).astype(np.float32)
         all_scores, all_lengths = gather((local_scores, row_lengths), generate.mesh)
         scores += all_scores[:len(chunk)].tolist()
@@ -122,7 +115,7 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
         texts = generation.texts[:real * e.samples]
         local = np.zeros((len(padded), e.samples), bool)
         if real:
-            scores = _score(evaluator, padded[:real], texts, e.samples)
+            scores = score(evaluator.pool, padded[:real], texts, e.samples).rewards
             local[:real] = scores.reshape(real, e.samples) >= 1.0
         local_votes = np.zeros((len(padded), len(e.pass_k)), bool)
         if with_answers:

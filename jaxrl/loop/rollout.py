@@ -20,7 +20,7 @@ from jaxrl.losses import Controls
 from jaxrl.loop.generate import Generation, Generator
 from jaxrl.loop.setup import StepPrograms
 from jaxrl.sampling import FINISH_LENGTH, Rollout
-from jaxrl.rewards.pool import RewardResult
+from jaxrl.rewards.pool import RewardPool, RewardResult
 from jaxrl.rewards.scoring import RewardScorer, ScoredBatch, shape
 from jaxrl.sharding import from_process_local, process_max
 from jaxrl.train import TrainState
@@ -66,9 +66,9 @@ def repeat_each(values, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
 
-def score(scorer: RewardScorer, problems, texts, group_size: int) -> ScoredBatch:
-    """Every configured reward of `texts` (rows `p * G + g`: sample g of `problems[p]`), each reward given the
-    prompt, completion, reference and data row it takes."""
+def score(scorer: RewardScorer | RewardPool, problems, texts, group_size: int) -> ScoredBatch | RewardResult:
+    """The rewards of `texts` (rows `p * G + g`: sample g of `problems[p]`) from every reward of a `scorer`, or
+    from one `RewardPool`, each reward given the prompt, completion, reference and data row it takes."""
     return scorer.score(texts, repeat_each((p.reference for p in problems), group_size),
                         prompts=repeat_each((p.prompt for p in problems), group_size),
                         rows=repeat_each(map(row_of, problems), group_size))

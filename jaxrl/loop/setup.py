@@ -34,6 +34,14 @@ def optimizer_from(config: OptimConfig):
     return make_optimizer(**dataclasses.asdict(config))
 
 
+def check_tokenizer_settings(config: Config) -> None:
+    """A run from random weights trains its own sentencepiece tokenizer: `tokenizer.path` and
+    `data.chat_template` need `pretrained.path` (evaluating a checkpoint may set `tokenizer.path` alone)."""
+    if config.pretrained.path is None and (config.tokenizer.path is not None or config.data.chat_template):
+        raise RunConfigError("tokenizer.path and data.chat_template need pretrained.path: a randomly initialised "
+                             "model trains with the sentencepiece tokenizer trained for it")
+
+
 def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
     """`(train, held_out, tokenizer corpus, counts)`: the built-in arithmetic task, or the prompt files of
     `config.data`. Items have `.prompt` and `.reference`; a file that cannot be used raises `DataError`
