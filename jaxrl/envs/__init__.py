@@ -1,0 +1,1 @@
+"""Multi-turn environments and tools: what answers a model's turn (see `jaxrl.envs.tool_calls`)."""
