@@ -74,10 +74,19 @@ class KVCache(NamedTuple):
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, index, layout: Layout | None = None) -> "KVCache":
         """The cache with `k, v [batch, kv_heads, seq, head_dim]` written into `layer`'s slots
-        `[index, index + seq)` in place (only those slots: a decode step does not copy the cache). With a
+        `[index, index + seq)` in place (only those slots: a decode step does not copy the cache). `index` is a
+        scalar, or `[batch]` for rows that have written different numbers of tokens (multi-turn episodes); a
+        write must fit the cache (a slot range past its end would be moved back over earlier slots). With a
         `layout`, the layer's cache keeps its batch over the data axes and its KV heads over `tensor`."""
+        per_row = jnp.ndim(index) == 1
+
         def put(arrays, value):
-            updated = jax.lax.dynamic_update_slice_in_dim(arrays[layer], value.astype(arrays[layer].dtype), index, 2)
+            value = value.astype(arrays[layer].dtype)
+            if per_row:
+                updated = jax.vmap(lambda a, x, i: jax.lax.dynamic_update_slice_in_dim(a, x, i, 1))(
+                    arrays[layer], value, index)
+            else:
+                updated = jax.lax.dynamic_update_slice_in_dim(arrays[layer], value, index, 2)
             if layout is not None:
                 updated = layout.constrain(updated, CACHE_AXES[:updated.ndim])
             return _replace(arrays, layer, updated)
@@ -346,8 +355,8 @@ class Transformer(nnx.Module):
         masks = {"valid": key_valid}
         if cache is not None and not is_kernel_prefill(cfg, tokens.shape[1], cache, cache_index, layout):
             # dense masks over the cache; without one (or in a prefill) the attention kernel builds its own
-            first_slot = cache_index + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
-            query_index = jnp.broadcast_to(first_slot + jnp.arange(tokens.shape[1]), tokens.shape)
+            first_slot = jnp.asarray(cache_index) + (cache.prompt.length if isinstance(cache, GroupKVCache) else 0)
+            query_index = jnp.broadcast_to(first_slot[..., None] + jnp.arange(tokens.shape[1]), tokens.shape)
             masks["full"] = causal_padding_mask(query_index, key_valid)
             if cfg.sliding_window:
                 masks["sliding"] = masks["full"] & sliding_window_mask(query_index, key_valid.shape[1],
@@ -431,7 +440,8 @@ def apply(
       key_valid: `[batch, key_len]` bool; key_len = seq without a cache, the cache's length with a `KVCache`,
         `prompt_len + own_len` with a `GroupKVCache`.
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
-      cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`; scalar).
+      cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`): a scalar, or
+        `[batch]` int when rows are at different slots (multi-turn episodes).
 
     A prefill (a `KVCache` exactly as long as the segment, written from a static `cache_index` 0, so every slot
     is overwritten) attends through the self-attention kernel of `config.attention_impl` unless that resolves

@@ -20,7 +20,8 @@ class Generation:
 
     rollout: Rollout  # global arrays on the mesh, rows split over the data axes
     local: Rollout  # this process's rows of it, as numpy
-    texts: list[str]  # decoded completions of `local`
+    texts: list[str]  # decoded completions of `local` (of an episode: the model's turns, without observations)
+    episodes: list | None = None  # multi-turn: each row's `jaxrl.loop.episodes.Episode`, else None
 
 
 @dataclasses.dataclass
