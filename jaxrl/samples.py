@@ -50,16 +50,21 @@ def sequence_advantages(advantages, completion_mask=None) -> np.ndarray:
 
 def sample_records(step: int, rows: Sequence[int], *, prompts: Sequence[str], completions: Sequence[str],
                    references: Sequence[Any], components: Mapping[str, Sequence[float]], rewards: Sequence[float],
-                   advantages: Sequence[float], lengths: Sequence[int], finish_reasons: Sequence[int]
-                   ) -> list[dict[str, Any]]:
+                   advantages: Sequence[float], lengths: Sequence[int], finish_reasons: Sequence[int],
+                   episodes: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The samples.jsonl records of `rows` of one RL step's batch; every column is per sequence `[B]`
     (`components`: name -> `[B]` reward component, e.g. correct, format; `finish_reasons`: FINISH_EOS or
-    FINISH_LENGTH codes)."""
-    return [{"step": int(step), "prompt": prompts[i], "completion": completions[i],
-             "reference": to_python(references[i]),
-             "rewards": {name: float(values[i]) for name, values in components.items()},
-             "reward": float(rewards[i]), "advantage": float(advantages[i]), "length": int(lengths[i]),
-             "finish_reason": FINISH_REASONS[int(finish_reasons[i])]} for i in rows]
+    FINISH_LENGTH codes). Multi-turn: `episodes` are the whole episodes (`Episode.record()`: turns, tool counts,
+    how it ended) and `completion` is the model's turns joined."""
+    records = [{"step": int(step), "prompt": prompts[i], "completion": completions[i],
+                "reference": to_python(references[i]),
+                "rewards": {name: float(values[i]) for name, values in components.items()},
+                "reward": float(rewards[i]), "advantage": float(advantages[i]), "length": int(lengths[i]),
+                "finish_reason": FINISH_REASONS[int(finish_reasons[i])]} for i in rows]
+    if episodes is not None:
+        for record, i in zip(records, rows):
+            record["episode"] = to_python(episodes[i])
+    return records
 
 
 class SampleLog:
@@ -122,14 +127,18 @@ def open_sample_log(config, output_dir: str | os.PathLike, resume_step: int | No
 
 
 def completion_records(prompts: Sequence[str], references: Sequence[Any], completions: Sequence[str],
-                       correct: Sequence[float], lengths: Sequence[int]) -> list[dict[str, Any]]:
+                       correct: Sequence[float], lengths: Sequence[int],
+                       episodes: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One record per held-out problem: prompt, reference, completion, reward/correct (the verifiable reward),
-    length (completion tokens)."""
-    columns = (prompts, references, completions, correct, lengths)
+    length (completion tokens), and multi-turn the whole `episode`."""
+    columns = (prompts, references, completions, correct, lengths) + (() if episodes is None else (episodes,))
     if len({len(c) for c in columns}) != 1:
         raise ValueError(f"completion columns differ in length: {[len(c) for c in columns]}")
-    return [{"prompt": p, "reference": to_python(r), "completion": c, "reward/correct": float(s),
-             "length": int(n)} for p, r, c, s, n in zip(*columns)]
+    records = [{"prompt": p, "reference": to_python(r), "completion": c, "reward/correct": float(s),
+                "length": int(n)} for p, r, c, s, n in zip(*columns[:5])]
+    for record, episode in zip(records, episodes or ()):
+        record["episode"] = to_python(episode)
+    return records
 
 
 def write_completions(path: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> None:

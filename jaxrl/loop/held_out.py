@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl import evaluation, rewards
 from jaxrl.config import Config
 from jaxrl.loop import progress, setup
+from jaxrl.loop.episodes import episode_metrics
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import score
 from jaxrl.models.hf import CheckpointError
@@ -78,7 +79,7 @@ def evaluate(policy, generate: Generator, problems, evaluator: Evaluator, batch_
     Each process samples and scores its rows of every batch; the scores are gathered. `completions`, when
     given, is extended with one `samples.completion_records` row per problem this process sampled."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    start, scores, lengths, sample_text = time.perf_counter(), [], [], None
+    start, scores, lengths, sample_text, episodes = time.perf_counter(), [], [], None, []
     for _, chunk, padded, real in _process_batches(problems, batch_size, generate.mesh):
         generation = generate(policy, padded, jax.random.key(0), greedy)
         local_scores = np.zeros(len(padded), np.float32)
@@ -88,13 +89,19 @@ def evaluate(policy, generate: Generator, problems, evaluator: Evaluator, batch_
         all_scores, all_lengths = gather((local_scores, row_lengths), generate.mesh)
         scores += all_scores[:len(chunk)].tolist()
         lengths += all_lengths[:len(chunk)].tolist()
+        if generation.episodes is not None:
+            episodes += generation.episodes[:real]
         if completions is not None:  # this process's problems
             completions += completion_records([p.prompt for p in padded[:real]], [p.reference for p in padded[:real]],
-                                              generation.texts[:real], local_scores[:real], row_lengths[:real])
+                                              generation.texts[:real], local_scores[:real], row_lengths[:real],
+                                              None if generation.episodes is None else
+                                              [e.record() for e in generation.episodes[:real]])
         if sample_text is None and generation.texts:
             sample_text = generation.texts[0]
-    return {evaluator.key: float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths)),
-            "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
+    metrics = {evaluator.key: float(np.mean(scores)), "eval/completion_length": float(np.mean(lengths))}
+    if episodes:  # multi-turn: tool use and turns of this process's episodes
+        metrics.update(episode_metrics(episodes, np.asarray(lengths[:len(episodes)]), prefix="eval/"))
+    return {**metrics, "eval/num_problems": len(problems), "eval/seconds": time.perf_counter() - start,
             "eval/sample": sample_text}
 
 

@@ -28,6 +28,7 @@ from jaxrl.data.batching import shuffled_batches
 from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
 from jaxrl.losses import Controls
 from jaxrl.loop import held_out, progress, resume, setup
+from jaxrl.loop.episodes import episode_metrics
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, sample_rollout, score, shaped_rewards
 from jaxrl.metrics import MetricsWriter
@@ -239,8 +240,8 @@ def gathered_rewards(produced: RolloutResult, scored: rewards.RewardResult, conf
     """`(seen, scored, composed)` of the whole batch, on every process: `seen` holds the verifiable rewards
     `correct [B]`, completion `length [B]`, `truncated [B]`, the shaping `components` and ReMax's `greedy`
     baseline (when drawn); `scored` the gathered reward outcome; `composed` the shaped rewards."""
-    texts, local = produced.generation.texts, produced.generation.local
-    composed = shaped_rewards(scored, texts, local.completion_mask.sum(1), config)
+    local = produced.generation.local
+    composed = shaped_rewards(scored, produced.generation, config)
     seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
             "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
     if produced.greedy_rewards is not None:
@@ -298,7 +299,9 @@ def log_samples(ctx: RLContext, step: int, produced: RolloutResult, composed: re
                       components={name: values[mine] for name, values in composed.components.items()},
                       rewards=composed.total[mine],
                       advantages=sequence_advantages(local_advantages, local.completion_mask),
-                      lengths=local.completion_mask.sum(1), finish_reasons=local.finish_reason)
+                      lengths=local.completion_mask.sum(1), finish_reasons=local.finish_reason,
+                      episodes=None if produced.generation.episodes is None else
+                      [e.record() for e in produced.generation.episodes])
 
 
 def flushes_after(config: Config, step: int) -> bool:
@@ -396,6 +399,9 @@ def step_record(controls: Controls, scored: rewards.RewardResult, composed: rewa
     record["train/truncated_frac"] = float(seen["truncated"].mean())
     record.update(produced.metrics)
     record.update(prompt_statistics(np.asarray(seen["correct"]), group_size))
+    episodes = produced.generation.episodes
+    if episodes is not None:  # multi-turn: this process's episodes
+        record.update(episode_metrics(episodes, produced.generation.local.completion_mask.sum(1)))
     return record
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -74,12 +73,16 @@ def score(scorer: RewardScorer | RewardPool, problems, texts, group_size: int) -
                         rows=repeat_each(map(row_of, problems), group_size))
 
 
-def shaped_rewards(scored: ScoredBatch, texts: Sequence[str], lengths: np.ndarray, config: Config
-                   ) -> rewards.ComposedRewards:
-    """The scored rewards (the verifiable `correct` and `reward.extra`'s) composed with the shaping components
-    `config.reward` enables (format reward of `texts`, DAPO overlong and length penalties of the completion
-    `lengths` in tokens)."""
-    return shape(scored.components, texts, lengths, config.reward, config.rl.sampling.max_new_tokens)
+def shaped_rewards(scored: ScoredBatch, generation: Generation, config: Config) -> rewards.ComposedRewards:
+    """The scored rewards of `generation` (the verifiable `correct` and `reward.extra`'s) composed with the
+    shaping components `config.reward` enables (format reward of its texts, DAPO overlong and length penalties
+    of its completion lengths in tokens) and, multi-turn, the environment's rewards (`env`)."""
+    local = generation.local
+    env_rewards = None
+    if generation.episodes is not None:
+        env_rewards = np.array([sum(e.reward_totals().values()) for e in generation.episodes], np.float32)
+    return shape(scored.components, generation.texts, local.completion_mask.sum(1), config.reward,
+                 config.rl.sampling.max_new_tokens, env_rewards)
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
@@ -132,9 +135,8 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
         if not dynamic:
             result = RolloutResult(problems, generation, scored, sample_s, reward_s, {})
             return with_batch(with_baseline(sampler, result, state.policy, key), batch)
-        informative.append(dynamic_sampling.informative_groups(shaped_rewards(
-            scored, generation.texts, generation.local.completion_mask.sum(1), config).total,
-            rl.group_size))
+        informative.append(dynamic_sampling.informative_groups(shaped_rewards(scored, generation, config).total,
+                                                               rl.group_size))
         short = sum(int(f.sum()) for f in informative) < len(problems)
         if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
             break  # every process has its informative groups (or the rounds ran out)
@@ -158,8 +160,7 @@ def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> Rollo
     greedy_out = sampler.generate(policy, result.problems, key, greedy)
     t1 = time.perf_counter()
     greedy_scored = score(sampler.scorer, result.problems, greedy_out.texts, 1)
-    total = shaped_rewards(greedy_scored, greedy_out.texts, greedy_out.local.completion_mask.sum(1),
-                           config).total
+    total = shaped_rewards(greedy_scored, greedy_out, config).total
     return dataclasses.replace(result, greedy_rewards=np.repeat(total, config.rl.group_size),
                                sample_s=result.sample_s + t1 - t0,
                                reward_s=result.reward_s + time.perf_counter() - t1)
@@ -197,6 +198,8 @@ def dynamic_result(rounds, informative, generate: Generator, group_size: int, sa
                                       generate.tokenizer.pad_id)
     problems = [rounds[r][0][g] for r, g in selection.groups]
     texts = [rounds[r][1].texts[g * group_size + i] for r, g in selection.groups for i in range(group_size)]
+    episodes = None if rounds[0][1].episodes is None else [
+        rounds[r][1].episodes[g * group_size + i] for r, g in selection.groups for i in range(group_size)]
     scores = [rounds[r][2] for r in range(len(rounds))]
     scored = selected_scores(scores, selection.groups, group_size)
     global_rollout = from_process_local(tuple(x for x in local if x is not None), generate.mesh)
@@ -205,4 +208,4 @@ def dynamic_result(rounds, informative, generate: Generator, group_size: int, sa
                "dynamic/filled_groups": float(selection.filled), "dynamic/prompts_sampled": float(quota * len(rounds)),
                # the reward of the batch as sampled: reward/mean is over the selected (informative) groups
                "dynamic/sampled_reward_mean": float(np.mean(scores[0].rewards))}
-    return RolloutResult(problems, Generation(rollout, local, texts), scored, sample_s, reward_s, metrics)
+    return RolloutResult(problems, Generation(rollout, local, texts, episodes), scored, sample_s, reward_s, metrics)
