@@ -181,11 +181,11 @@ def test_calculator_bad_arguments_are_tool_errors(arguments):
 
 def test_python_tool_is_stateful_across_one_episodes_calls():
     state = {}
-    assert python({"code": "x = 6\nprint('first')"}, _context(state=state)) == "first\n"
+    assert python({"code": "x = 6\nprint('first')"}, _context(state=state)) == "first"
     # earlier cells re-run with their output discarded; a final expression's value is shown
-    assert python({"code": "x * 7"}, _context(state=state)) == "42\n"
-    assert python({"code": "def f(n):\n    return n + x\nprint(f(1))"}, _context(state=state)) == "7\n"
-    assert python({"code": "f(10)"}, _context(state=state)) == "16\n"
+    assert python({"code": "x * 7"}, _context(state=state)) == "42"
+    assert python({"code": "def f(n):\n    return n + x\nprint(f(1))"}, _context(state=state)) == "7"
+    assert python({"code": "f(10)"}, _context(state=state)) == "16"
     assert python({"code": "x * 7"}, _context(state={})) .startswith("Traceback")  # another episode: no x
 
 
@@ -193,7 +193,7 @@ def test_python_tool_shows_the_error_of_the_new_cell_only():
     state = {}
     out = python({"code": "1/0"}, _context(state=state))
     assert "ZeroDivisionError: division by zero" in out and "jaxrl" not in out
-    assert python({"code": "print('ok')"}, _context(state=state)) == "ok\n"  # the failed cell stays silent
+    assert python({"code": "print('ok')"}, _context(state=state)) == "ok"  # the failed cell stays silent
 
 
 def test_python_tool_cuts_a_megabyte_of_output_with_a_note():
@@ -257,7 +257,7 @@ def test_tools_environment_runs_calls_and_ends_on_a_turn_without_one():
     assert first is None
     step = env.step(state, "I compute " + _call("calculator", expression="17*23") + _call("python", code="print(2)"))
     assert step.observation == [{"role": "tool", "name": "calculator", "content": "391"},
-                                {"role": "tool", "name": "python", "content": "2\n"}]
+                                {"role": "tool", "name": "python", "content": "2"}]
     assert (step.tool_calls, step.tool_errors, step.tool_timeouts, step.error) == (2, 0, 0, None)
     assert step.tool_s > 0 and step.state["tool_s"] == pytest.approx(step.tool_s)
     end = env.step(step.state, "The answer is 391.")
@@ -324,8 +324,8 @@ def test_fenced_format_runs_python_and_stops_at_the_output_fence():
     assert env.stop_strings == ("```output",)
     state, _ = env.reset({})
     step = env.step(state, "Let me run it.\n```python\nprint(6*7)\n```\n```output")
-    assert step.observation == [{"role": "tool", "name": "python", "content": "42\n"}]
-    assert observation_text(step.observation, "", None, False, "fenced") == "\n42\n\n```\n"
+    assert step.observation == [{"role": "tool", "name": "python", "content": "42"}]
+    assert observation_text(step.observation, "", None, False, "fenced") == "\n42\n```\n"
 
 
 # -- checked_step ---------------------------------------------------------------------------------------------

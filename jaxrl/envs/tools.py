@@ -180,7 +180,7 @@ except BaseException as _e:
 def python(arguments: dict, context: ToolContext) -> str:
     """`{"code": "print(2+3)"}` -> "5": runs the cell in the code sandbox (`jaxrl.rewards.sandbox`), after the
     episode's earlier cells (re-run with their output discarded), so names defined earlier are defined; a
-    final expression's value is printed. Output (stdout, then stderr) is cut to `MAX_RESULT_CHARS` with a
+    final expression's value is printed. Output (stdout, then stderr, trailing newlines dropped) is cut to `MAX_RESULT_CHARS` with a
     note; the sandbox's wall-time limit is a `ToolTimeout`."""
     from jaxrl.rewards.sandbox import SandboxLimits, run_program
 
@@ -196,7 +196,7 @@ def python(arguments: dict, context: ToolContext) -> str:
     _, marked, stdout = stdout.partition(_MARK)
     if not marked:  # an earlier cell wrote past the sink (os.write) or killed the run before the new cell
         stdout = ""
-    text = stdout + stderr
+    text = (stdout + stderr).rstrip("\n")  # "42", not "42\n": the observation formats add their own newlines
     if status == "timeout":
         raise ToolTimeout(f"the code ran longer than {wall:.1f} s" + (f"; output so far:\n{cut(text, 500)}"
                                                                         if text else ""))
