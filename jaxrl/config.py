@@ -14,6 +14,7 @@ from jaxrl import registry
 from jaxrl.configlib import FrozenMapping
 from jaxrl.data.arithmetic import ArithmeticTaskConfig
 from jaxrl.data.prompts import PromptFields
+from jaxrl.envs.config import EnvConfig
 from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
 from jaxrl.models.configs import ModelConfig
@@ -389,11 +390,12 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     plan: PlanConfig = _section(PlanConfig)
     log: LogConfig = _section(LogConfig)
+    env: EnvConfig = _section(EnvConfig)  # multi-turn episodes with tools (jaxrl.envs); env.name null: single-turn
 
     def pieces(self) -> dict[str, registry.Entry]:
         """Config field -> the registry entry it names: every named reward (`reward.function`, one
         `reward.extra.<name>` per extra reward, `eval.reward` when set), writer (`log.writers`), objective, ratio,
-        estimator and loss term."""
+        estimator, loss term, environment (`env.name`) and tool (`env.tools`)."""
         pieces = {"reward.function": registry.resolve("reward", self.reward.function, "reward.function")}
         for name in self.reward.extra:
             field = f"reward.extra.{name}"
@@ -405,6 +407,10 @@ class Config:
             pieces["eval.reward"] = registry.resolve("reward", self.eval.reward, "eval.reward")
         pieces.update({f"log.writers[{i}]": registry.resolve("writer", name, f"log.writers[{i}]")
                        for i, name in enumerate(self.log.writers)})
+        if self.env.name is not None:
+            pieces["env.name"] = registry.resolve("environment", self.env.name, "env.name")
+        pieces.update({f"env.tools[{i}]": registry.resolve("tool", name, f"env.tools[{i}]")
+                       for i, name in enumerate(self.env.tools)})
         return {**pieces, **self.rl.loss.pieces("rl.loss")}
 
     def check_pieces(self) -> None:

@@ -1,5 +1,5 @@
-"""One registry for the pieces a config names: objectives, ratios, advantage estimators, loss terms, rewards
-and metrics writers.
+"""One registry for the pieces a config names: objectives, ratios, advantage estimators, loss terms, rewards,
+metrics writers, environments and tools.
 
 A piece is registered by a decorator that records its name, its signature and what it needs:
 
@@ -27,6 +27,9 @@ Kinds, and the call a piece of each kind gets:
   reward worker (no arguments) and its instances called like a function (a reward model, a judge).
 - `writer`: `(directory: str, config)` (by name) `-> object with write(record: dict) and close()`: mirrors
   metrics.jsonl; turned on by a top-level bool of its name (`wandb: true`).
+- `environment`: a class constructed with the run's `EnvConfig`, with `reset(row) -> (state, observation)` and
+  `step(state, turn) -> EnvStep` (see `jaxrl.envs.base`); one instance per environment worker.
+- `tool`: `(arguments: dict, context: ToolContext) -> str`, the result the model reads (see `jaxrl.envs.tools`).
 
 `needs` says what a piece needs from the run: `entropy` (per-token policy entropy), `critic` (values),
 `greedy_rollouts` (a greedy completion per prompt, scored), `binary_rewards` (right-or-wrong outcomes only).
@@ -72,6 +75,8 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "term": ("inputs", "norm", "controls"),
     "reward": (),
     "writer": ("directory", "config"),
+    "environment": ("config",),
+    "tool": ("arguments", "context"),
 })
 # Kinds called with keyword arguments (their parameter names must be the ones above); the others positionally.
 KEYWORD_KINDS = frozenset({"advantage", "writer"})
@@ -131,6 +136,7 @@ def register(kind: str, name: str | None = None, *, needs: Iterable[str] = (), *
 def _builtins() -> None:
     """Import the modules that register the built-in pieces (on first use: importing them is not free)."""
     import jaxrl.advantages  # noqa: F401
+    import jaxrl.envs.environments  # noqa: F401 - the `tools` environment and the built-in tools
     import jaxrl.losses.policy  # noqa: F401
     import jaxrl.metrics  # noqa: F401
     import jaxrl.rewards  # noqa: F401
@@ -192,6 +198,9 @@ def _check_signature(kind: str, fn: Callable, field: str) -> None:
     if kind == "reward":
         reward_arguments(fn, field)
         return
+    if kind == "environment":
+        _check_environment(fn, field)
+        return
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: accepted as is
@@ -205,6 +214,31 @@ def _check_signature(kind: str, fn: Callable, field: str) -> None:
     except TypeError as e:
         raise RegistryError(f"{field}: {_source_of(fn)}{signature} does not take a {kind}'s arguments "
                             f"({', '.join(expected)}): {e}") from None
+
+
+def _check_environment(cls: Callable, field: str) -> None:
+    """An environment is a class constructed with the `EnvConfig`, with `reset(row)` and `step(state, turn)`."""
+    if not inspect.isclass(cls):
+        raise RegistryError(f"{field}: {_source_of(cls)} is not a class: an environment is a class constructed "
+                            "with the EnvConfig, with reset(row) and step(state, turn) methods")
+    for method, arguments in (("reset", ("row",)), ("step", ("state", "turn"))):
+        member = getattr(cls, method, None)
+        if not callable(member):
+            raise RegistryError(f"{field}: environment {_source_of(cls)} has no {method}{arguments} method")
+        try:
+            inspect.signature(member).bind(None, *arguments)  # the unbound method: self first
+        except TypeError as e:
+            raise RegistryError(f"{field}: environment {_source_of(cls)}.{method} does not take "
+                                f"({', '.join(arguments)}): {e}") from None
+        except ValueError:
+            pass
+    try:
+        inspect.signature(cls).bind("config")
+    except TypeError as e:
+        raise RegistryError(f"{field}: environment {_source_of(cls)} is not constructible with the EnvConfig "
+                            f"alone: {e}") from None
+    except ValueError:
+        pass
 
 
 def reward_arguments(fn: Callable, field: str) -> tuple[tuple[str, ...], bool]:

@@ -96,7 +96,7 @@ import numpy as np
 from jaxrl.registry import reward_arguments
 from jaxrl.rewards.sandbox_child import die_with_parent
 
-__all__ = ["RewardPool", "RewardResult", "item_deadline"]
+__all__ = ["Outcome", "RewardPool", "RewardResult", "WorkerPool", "encode_job", "item_deadline"]
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +203,33 @@ def _as_rewards(values, n: int) -> list[float]:
     return out
 
 
-def _worker_main(conn, reward_fn: Callable, batched: bool, parent_pid: int) -> None:
-    """Worker loop: recv ``(job, arguments, budget_s)``, send ``(job, ok, value)``.
+class _RewardSetup:
+    """What a reward worker builds before it reports ready (see `WorkerPool`'s `setup`): the reward (one
+    instance of a reward class), warmed up; returns the handler that scores one job's arguments."""
 
-    ``arguments`` maps the reward's argument names to one item's values (to lists of the chunk's values
-    when ``batched``); the reward is called with them by name. ``value`` is the float reward (a list of
-    floats, NaN for a bad entry, when ``batched``) when ``ok``, else a short error string. A ``None`` message (or a closed
-    pipe) ends the loop, and so does SIGTERM, after unwinding the reward function. The worker is
+    def __init__(self, reward_fn: Callable, batched: bool):
+        self.reward_fn, self.batched = reward_fn, batched
+
+    def __call__(self) -> Callable:
+        reward_fn = self.reward_fn() if inspect.isclass(self.reward_fn) else self.reward_fn  # one per worker
+        warm_up = getattr(reward_fn, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+        batched = self.batched
+
+        def handle(arguments: dict):
+            value = reward_fn(**arguments)
+            return _as_rewards(value, len(arguments["completions"])) if batched else _as_reward(value)
+
+        return handle
+
+
+def _worker_main(conn, setup: Callable, parent_pid: int) -> None:
+    """Worker loop: build the handler (``setup()``), then recv ``(job, arguments, budget_s)``, send
+    ``(job, ok, value)``.
+
+    ``value`` is what ``handler(arguments)`` returned when ``ok``, else a short error string. A ``None``
+    message (or a closed pipe) ends the loop, and so does SIGTERM, after unwinding the handler. The worker is
     SIGKILLed when the thread that started it ends: a closed pipe is only noticed between items.
     """
     global _item_deadline
@@ -223,11 +243,7 @@ def _worker_main(conn, reward_fn: Callable, batched: bool, parent_pid: int) -> N
         return
     try:
         try:  # before "ready": slow first imports, model loads are not charged to an item's timeout
-            if inspect.isclass(reward_fn):
-                reward_fn = reward_fn()  # one instance per worker
-            warm_up = getattr(reward_fn, "warm_up", None)
-            if callable(warm_up):
-                warm_up()
+            handler = setup()
         except _Terminated:
             raise
         except BaseException as e:  # noqa: BLE001
@@ -244,16 +260,19 @@ def _worker_main(conn, reward_fn: Callable, batched: bool, parent_pid: int) -> N
             job, arguments, budget_s = msg
             _item_deadline = time.monotonic() + budget_s
             try:
-                value = reward_fn(**arguments)
-                value = _as_rewards(value, len(arguments["completions"])) if batched else _as_reward(value)
-                reply = (job, True, value)
+                reply = (job, True, handler(arguments))
             except _Terminated:
                 raise
-            except BaseException as e:  # noqa: BLE001 - includes SystemExit from reward_fn
+            except BaseException as e:  # noqa: BLE001 - includes SystemExit from the handler
                 reply = (job, False, _reason(e))
             finally:
                 _item_deadline = math.inf
-            conn.send(reply)
+            try:
+                conn.send(reply)
+            except _Terminated:
+                raise
+            except Exception as e:  # noqa: BLE001 - a value that cannot be pickled: the job's error
+                conn.send((job, False, f"returned a value that cannot be sent: {_reason(e)}"))
     except _Terminated:
         return
 
@@ -274,19 +293,6 @@ def _clean(x):
     if isinstance(x, list):
         return [_clean(v) for v in x]
     return x
-
-
-def _encode_job(job: int, arguments: dict, budget_s: float) -> bytes | None:
-    """Pickle one job; lone surrogates are replaced if they cannot be sent; None if it cannot be pickled (a
-    row holding an object that pickle refuses)."""
-    try:
-        return pickle.dumps((job, arguments, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001
-        try:
-            clean = {name: _clean(value) for name, value in arguments.items()}
-            return pickle.dumps((job, clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001
-            return None
 
 
 def _chunks(n: int, num_workers: int, batch_size: int) -> list[range]:
@@ -312,17 +318,15 @@ def _takes_var_keyword(fn: Callable) -> bool:
 class _Worker:
     """One spawned worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx, reward_fn: Callable, batched: bool):
+    def __init__(self, ctx, setup: Callable, name: str):
         self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, reward_fn, batched, os.getpid()), daemon=True,
-            name="reward-worker",
-        )
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, setup, os.getpid()), daemon=True,
+                                   name=name)
         self.process.start()
         child_conn.close()
         self.ready = False
         self.started = time.monotonic()
-        self.job: int | None = None  # job being scored, None when idle
+        self.job: int | None = None  # job being run, None when idle
         self.deadline = math.inf
         self.killed = False
 
@@ -343,6 +347,191 @@ class _Worker:
         self.process.join()
         self.conn.close()
         self.process.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What became of one job of `WorkerPool.run`.
+
+    kind: ``ok`` (``value``: the handler's return value), ``raised`` (``value``: the exception, short),
+      ``died`` (the worker died: ``value`` its exit code), ``timeout`` (killed at its own deadline: ``value``
+      the seconds it had), ``batch_timeout`` (running when the call's budget ran out), ``queued_timeout``
+      (never started before the budget ran out) or ``unsendable`` (its arguments could not be pickled).
+    """
+
+    kind: str
+    value: object = None
+
+
+def encode_job(job: int, arguments: dict, budget_s: float) -> bytes | None:
+    """Pickle one job; lone surrogates are replaced if they cannot be sent; None if it cannot be pickled (a
+    row holding an object that pickle refuses)."""
+    try:
+        return pickle.dumps((job, arguments, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001
+        try:
+            clean = {name: _clean(value) for name, value in arguments.items()}
+            return pickle.dumps((job, clean, budget_s), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001
+            return None
+
+
+class WorkerPool:
+    """The one dispatch loop of the reward pool and the environment pool (`jaxrl.envs.pool.EnvPool`).
+
+    Spawned workers each build a handler once (`setup()`, a picklable callable, outside every timeout) and
+    then run jobs with it; `run` hands jobs out to ready workers, waits, kills a worker at its job's deadline
+    or the call's budget and replaces dead or killed workers. What a job's value means is the caller's.
+
+    Args:
+      setup: picklable callable of no arguments, run once in each worker; returns `handler(arguments) -> value`.
+      num_workers: worker processes (>= 1).
+      startup_timeout_s: seconds a worker may take to import and run `setup` before the pool gives up.
+      what: the pool's name in errors and process names ("reward", "environment").
+      hint: (what raised in a failed `setup`, what to check when a worker died or hung while starting).
+    """
+
+    def __init__(self, setup: Callable, *, num_workers: int, startup_timeout_s: float, what: str,
+                 hint: tuple[str, str]):
+        self.setup, self.num_workers, self.startup_timeout_s = setup, num_workers, float(startup_timeout_s)
+        self.what, self.hint = what, hint
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
+        # Workers die with the thread that started them (see _worker_main): start them all on this one,
+        # which lives as long as the pool, not on whichever thread (perhaps short-lived) calls run().
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix=f"{what}-pool-spawner")
+
+    def close(self) -> None:
+        """Stop all workers. Idempotent."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            if w.job is None:
+                try:
+                    w.conn.send(None)  # polite shutdown for idle workers
+                except (OSError, ValueError):
+                    pass
+        for w in workers:
+            w.process.join(0.5 if w.job is None else 0)
+            w.kill()
+        self._spawner.shutdown()
+
+    def _new_worker(self) -> _Worker:
+        return self._spawner.submit(_Worker, self._ctx, self.setup, f"{self.what}-worker").result()
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = self._new_worker()
+
+    def run(self, n_jobs: int, encode: Callable[[int, float], bytes | None], timeout_of: Callable[[int], float],
+            batch_timeout_s: float | None = None) -> tuple[list[Outcome], list[int]]:
+        """Run jobs `0..n_jobs-1`: `(outcomes [n_jobs], the jobs in the order their outcomes were seen)`.
+
+        `encode(job, budget_s)` pickles a job's message (`encode_job`) when it is handed out (`budget_s`: the
+        seconds it has, which the worker's `item_deadline()` tells), or None when it cannot be sent;
+        `timeout_of(job)` is its hard limit in seconds from dispatch. With `batch_timeout_s`, every job
+        unfinished that long after the first worker is ready is cut off (busy workers are killed).
+        Raises RuntimeError when a worker fails to start (the pool is closed).
+        """
+        outcomes: list[Outcome | None] = [None] * n_jobs
+        order: list[int] = []
+
+        def done(job: int, outcome: Outcome) -> None:
+            outcomes[job] = outcome
+            order.append(job)
+
+        pending = deque(range(n_jobs))
+        for w in list(self._workers):
+            if w.job is not None:  # left busy by an interrupted call: results are stale
+                self._replace(w)
+        if n_jobs:
+            while len(self._workers) < self.num_workers:
+                self._workers.append(self._new_worker())
+
+        # Hard deadline of the whole call (batch_timeout_s); set once a worker is ready.
+        batch_deadline = math.inf
+
+        while pending or any(w.job is not None for w in self._workers):
+            if batch_deadline == math.inf and batch_timeout_s is not None:
+                if any(w.ready for w in self._workers):
+                    batch_deadline = time.monotonic() + batch_timeout_s
+            if time.monotonic() >= batch_deadline:
+                # Budget spent: everything unfinished is a timeout. Signal every
+                # busy worker first so their kill grace periods overlap.
+                for w in self._workers:
+                    if w.job is not None and w.process.is_alive():
+                        w.process.terminate()
+                for w in list(self._workers):
+                    if w.job is not None:
+                        log.debug("%s job %s hit the batch deadline", self.what, w.job)
+                        done(w.job, Outcome("batch_timeout"))
+                        self._replace(w)
+                for j in pending:
+                    done(j, Outcome("queued_timeout"))
+                pending.clear()
+                break
+
+            # 1. Hand out work to idle, ready workers.
+            for w in self._workers:
+                while w.ready and w.job is None and pending:
+                    j = pending.popleft()
+                    timeout_s = timeout_of(j)
+                    payload = encode(j, min(timeout_s, batch_deadline - time.monotonic()))
+                    if payload is None:
+                        done(j, Outcome("unsendable"))
+                        continue
+                    try:
+                        w.dispatch(j, payload, timeout_s)
+                    except (OSError, ValueError):  # worker died while idle: retry later
+                        pending.appendleft(j)
+                        self._replace(w)
+                        break
+
+            # 2. Wait for a result, a death, a ready signal, or the next deadline.
+            waiting = [w for w in self._workers if w.job is not None or not w.ready]
+            now = time.monotonic()
+            deadlines = [w.deadline if w.ready else w.started + self.startup_timeout_s for w in waiting]
+            if waiting:
+                deadlines.append(batch_deadline)
+            timeout = max(0.0, min(deadlines, default=now) - now)
+            handles = [w.conn for w in waiting] + [w.process.sentinel for w in waiting]
+            ready = set(wait(handles, timeout=timeout))
+
+            # 3. Collect results, detect deaths and expired deadlines.
+            now = time.monotonic()
+            for w in waiting:
+                msg, died = None, False
+                if w.conn in ready or w.process.sentinel in ready:
+                    try:
+                        if w.conn.poll():
+                            msg = w.conn.recv()
+                    except Exception:  # noqa: BLE001 - EOF (worker died) or a corrupt stream
+                        died = True
+                    died = died or (msg is None and not w.process.is_alive())
+                if not w.ready:
+                    if msg == _READY:
+                        w.ready = True
+                    elif died or isinstance(msg, tuple) or now >= w.started + self.startup_timeout_s:
+                        w.process.join(_KILL_GRACE_S)
+                        self.close()
+                        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == _FAILED:
+                            raise RuntimeError(f"{self.what} worker failed to start: {msg[1]} ({self.hint[0]})")
+                        reason = (f"exit code {w.process.exitcode}" if died else
+                                  f"startup took longer than {self.startup_timeout_s:g} s")
+                        raise RuntimeError(f"{self.what} worker failed to start ({reason}); {self.hint[1]}")
+                    continue
+                if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == w.job:
+                    _, ok, value = msg
+                    done(w.job, Outcome("ok", value) if ok else Outcome("raised", value))
+                    w.job, w.deadline = None, math.inf
+                elif died or msg is not None:
+                    done(w.job, Outcome("died", w.process.exitcode))
+                    log.debug("%s worker died on job %s", self.what, w.job)
+                    self._replace(w)
+                elif now >= w.deadline:
+                    done(w.job, Outcome("timeout", timeout_of(w.job)))
+                    log.debug("%s job %s timed out after %.2fs", self.what, w.job, timeout_of(w.job))
+                    self._replace(w)
+        return outcomes, order
 
 
 class RewardPool:
@@ -427,11 +616,11 @@ class RewardPool:
         self.batch_timeout_s = None if batch_timeout_s is None else float(batch_timeout_s)
         self.batch_size = batch_size
         self.startup_timeout_s = float(startup_timeout_s)
-        self._ctx = multiprocessing.get_context("spawn")
-        self._workers: list[_Worker] = []
-        # Workers die with the thread that started them (see _worker_main): start them all on this one,
-        # which lives as long as the pool, not on whichever thread (perhaps short-lived) calls score().
-        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-pool-spawner")
+        self._pool = WorkerPool(
+            _RewardSetup(reward_fn, self.batched), num_workers=num_workers, startup_timeout_s=startup_timeout_s,
+            what="reward", hint=("raised by the reward class's constructor or its warm_up",
+                                 "is reward_fn importable in a fresh process, and is the main script guarded by "
+                                 "`if __name__ == '__main__':`?"))
         self._closed = False
         self._warned = False  # the first failed item is logged as a warning, once per pool
         self.name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', reward_fn)}"
@@ -447,24 +636,7 @@ class RewardPool:
     def close(self) -> None:
         """Stop all workers. Idempotent; the pool cannot be used afterwards."""
         self._closed = True
-        workers, self._workers = self._workers, []
-        for w in workers:
-            if w.job is None:
-                try:
-                    w.conn.send(None)  # polite shutdown for idle workers
-                except (OSError, ValueError):
-                    pass
-        for w in workers:
-            w.process.join(0.5 if w.job is None else 0)
-            w.kill()
-        self._spawner.shutdown()
-
-    def _new_worker(self) -> _Worker:
-        return self._spawner.submit(_Worker, self._ctx, self.reward_fn, self.batched).result()
-
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
-        self._workers[self._workers.index(w)] = self._new_worker()
+        self._pool.close()
 
     # -- scoring ---------------------------------------------------------------
 
@@ -504,135 +676,53 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool is closed")
         jobs = _chunks(n, self.num_workers, self.batch_size) if self.batched else [range(i, i + 1) for i in range(n)]
+
+        def encode(j: int, budget_s: float) -> bytes | None:
+            items = jobs[j]
+            if self.batched:
+                arguments = {name: column[items.start:items.stop] for name, column in columns.items()}
+            else:
+                arguments = {name: column[items.start] for name, column in columns.items()}
+            return encode_job(j, arguments, budget_s)
+
+        outcomes, order = self._pool.run(len(jobs), encode, lambda j: self.timeout_s * len(jobs[j]),
+                                         self.batch_timeout_s)
         rewards = np.zeros(n, dtype=np.float32)
         timeouts = errors = 0
         failures: list[str] = []  # what went wrong, in the order it was seen
-        pending = deque(range(len(jobs)))
-        for w in list(self._workers):
-            if w.job is not None:  # left busy by an interrupted call: results are stale
-                self._replace(w)
-        if n:
-            while len(self._workers) < self.num_workers:
-                self._workers.append(self._new_worker())
-
-        # Hard deadline of the whole call (batch_timeout_s); set once a worker is ready.
-        batch_deadline = math.inf
-
-        while pending or any(w.job is not None for w in self._workers):
-            if batch_deadline == math.inf and self.batch_timeout_s is not None:
-                if any(w.ready for w in self._workers):
-                    batch_deadline = time.monotonic() + self.batch_timeout_s
-            if time.monotonic() >= batch_deadline:
-                # Budget spent: everything unfinished is a timeout. Signal every
-                # busy worker first so their kill grace periods overlap.
-                for w in self._workers:
-                    if w.job is not None and w.process.is_alive():
-                        w.process.terminate()
-                for w in list(self._workers):
-                    if w.job is not None:
-                        log.debug("reward items %s hit the batch deadline", jobs[w.job])
-                        failures.append(f"was unfinished when reward.batch_timeout_s ({self.batch_timeout_s:g} s) "
-                                        "ran out")
-                        timeouts += len(jobs[w.job])
-                        self._replace(w)
-                timeouts += sum(len(jobs[j]) for j in pending)
-                pending.clear()
-                break
-
-            # 1. Hand out work to idle, ready workers.
-            for w in self._workers:
-                while w.ready and w.job is None and pending:
-                    j = pending.popleft()
-                    items = jobs[j]
-                    timeout_s = self.timeout_s * len(items)
-                    budget_s = min(timeout_s, batch_deadline - time.monotonic())
-                    if self.batched:
-                        arguments = {name: column[items.start:items.stop] for name, column in columns.items()}
-                    else:
-                        arguments = {name: column[items.start] for name, column in columns.items()}
-                    payload = _encode_job(j, arguments, budget_s)
-                    if payload is None:
-                        errors += len(items)
-                        continue
-                    try:
-                        w.dispatch(j, payload, timeout_s)
-                    except (OSError, ValueError):  # worker died while idle: retry later
-                        pending.appendleft(j)
-                        self._replace(w)
-                        break
-
-            # 2. Wait for a result, a death, a ready signal, or the next deadline.
-            waiting = [w for w in self._workers if w.job is not None or not w.ready]
-            now = time.monotonic()
-            deadlines = [
-                w.deadline if w.ready else w.started + self.startup_timeout_s for w in waiting
-            ]
-            if waiting:
-                deadlines.append(batch_deadline)
-            timeout = max(0.0, min(deadlines, default=now) - now)
-            handles = [w.conn for w in waiting] + [w.process.sentinel for w in waiting]
-            ready = set(wait(handles, timeout=timeout))
-
-            # 3. Collect results, detect deaths and expired deadlines.
-            now = time.monotonic()
-            for w in waiting:
-                msg, died = None, False
-                if w.conn in ready or w.process.sentinel in ready:
-                    try:
-                        if w.conn.poll():
-                            msg = w.conn.recv()
-                    except Exception:  # noqa: BLE001 - EOF (worker died) or a corrupt stream
-                        died = True
-                    died = died or (msg is None and not w.process.is_alive())
-                if not w.ready:
-                    if msg == _READY:
-                        w.ready = True
-                    elif died or isinstance(msg, tuple) or now >= w.started + self.startup_timeout_s:
-                        w.process.join(_KILL_GRACE_S)
-                        self.close()
-                        if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == _FAILED:
-                            raise RuntimeError(f"reward worker failed to start: {msg[1]} (raised by the reward "
-                                               "class's constructor or its warm_up)")
-                        reason = (f"exit code {w.process.exitcode}" if died else
-                                  f"startup took longer than {self.startup_timeout_s:g} s")
-                        raise RuntimeError(
-                            f"reward worker failed to start ({reason}); is reward_fn "
-                            "importable in a fresh process, and is the main script guarded by "
-                            "`if __name__ == '__main__':`?"
-                        )
+        for j in order:
+            outcome, items = outcomes[j], jobs[j]
+            if outcome.kind == "ok":
+                values = outcome.value if self.batched else [outcome.value]
+                if not isinstance(values, list) or len(values) != len(items):
+                    errors += len(items)
+                    failures.append(f"returned {type(outcome.value).__name__} of {len(items)} items, not a list "
+                                    f"of {len(items)} floats")
                     continue
-                if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == w.job:
-                    _, ok, value = msg
-                    items = jobs[w.job]
-                    if not ok:
-                        errors += len(items)
-                        failures.append(f"raised {value}")
-                        log.debug("reward items %s failed: %s", items, value)
+                for i, v in zip(items, values):
+                    if isinstance(v, float) and abs(v) <= _FLOAT32_MAX:  # nan fails too
+                        rewards[i] = v
                     else:
-                        values = value if self.batched else [value]
-                        if not isinstance(values, list) or len(values) != len(items):
-                            errors += len(items)
-                            failures.append(f"returned {type(value).__name__} of {len(items)} items, not a list of "
-                                            f"{len(items)} floats")
-                        else:
-                            for i, v in zip(items, values):
-                                if isinstance(v, float) and abs(v) <= _FLOAT32_MAX:  # nan fails too
-                                    rewards[i] = v
-                                else:
-                                    errors += 1
-                                    failures.append(f"returned {v!r}, not a finite float")
-                                    log.debug("reward item %d: %r is not a finite float32", i, v)
-                    w.job, w.deadline = None, math.inf
-                elif died or msg is not None:
-                    errors += len(jobs[w.job])
-                    failures.append(f"killed its worker (exit code {w.process.exitcode})")
-                    log.debug("reward worker died on items %s", jobs[w.job])
-                    self._replace(w)
-                elif now >= w.deadline:
-                    timeouts += len(jobs[w.job])
-                    failures.append(f"took longer than {self.timeout_s * len(jobs[w.job]):g} s")
-                    log.debug("reward items %s timed out after %.2fs", jobs[w.job], self.timeout_s * len(jobs[w.job]))
-                    self._replace(w)
+                        errors += 1
+                        failures.append(f"returned {v!r}, not a finite float")
+                        log.debug("reward item %d: %r is not a finite float32", i, v)
+            elif outcome.kind == "raised":
+                errors += len(items)
+                failures.append(f"raised {outcome.value}")
+                log.debug("reward items %s failed: %s", items, outcome.value)
+            elif outcome.kind == "died":
+                errors += len(items)
+                failures.append(f"killed its worker (exit code {outcome.value})")
+            elif outcome.kind == "timeout":
+                timeouts += len(items)
+                failures.append(f"took longer than {outcome.value:g} s")
+            elif outcome.kind == "batch_timeout":
+                timeouts += len(items)
+                failures.append(f"was unfinished when reward.batch_timeout_s ({self.batch_timeout_s:g} s) ran out")
+            elif outcome.kind == "queued_timeout":
+                timeouts += len(items)
+            else:  # unsendable
+                errors += len(items)
 
         first = failures[0] if failures else None
         if first is not None and not self._warned:  # once per pool: the rest are counted (reward/errors, ...)
