@@ -179,7 +179,8 @@ class RewardConfig:
     # component is logged (reward/<name>) and feeds rl.loss.advantage.per_component.
     format_weight: float = _field(0.0, ge=0)  # weight of format_reward (0: off)
     format_pattern: Literal["think_answer", "answer"] = "think_answer"
-    # DAPO soft overlong punishment: the last `overlong_buffer` tokens before rl.sampling.max_new_tokens.
+    # DAPO soft overlong punishment: the last `overlong_buffer` tokens before rl.sampling.max_new_tokens
+    # (env.max_tokens in a multi-turn run).
     overlong_buffer: int | None = _field(None, gt=0)  # None: off
     overlong_weight: float = _field(1.0, ge=0)
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
@@ -392,6 +393,20 @@ class Config:
     log: LogConfig = _section(LogConfig)
     env: EnvConfig = _section(EnvConfig)  # multi-turn episodes with tools (jaxrl.envs); env.name null: single-turn
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens a sequence may have after its prompt: an episode's `env.max_tokens` (model and observation
+        tokens) in a multi-turn run, else `rl.sampling.max_new_tokens`."""
+        return self.env.max_tokens if self.env.multi_turn else self.rl.sampling.max_new_tokens
+
+    def component_weights(self) -> dict[str, float]:
+        """The reward components' weights (`RewardConfig.component_weights`), and in a multi-turn run the
+        environment's rewards (`env`, weight 1) last."""
+        weights = self.reward.component_weights()
+        if self.env.multi_turn:
+            weights["env"] = 1.0
+        return weights
+
     def pieces(self) -> dict[str, registry.Entry]:
         """Config field -> the registry entry it names: every named reward (`reward.function`, one
         `reward.extra.<name>` per extra reward, `eval.reward` when set), writer (`log.writers`), objective, ratio,
@@ -441,9 +456,10 @@ class Config:
         if not self.output_dir.strip():
             raise ValueError("output_dir is empty: name the run's directory")
         self.check_pieces()
-        buffer, max_new = self.reward.overlong_buffer, self.rl.sampling.max_new_tokens
+        buffer, max_new = self.reward.overlong_buffer, self.completion_tokens
         if buffer is not None and buffer > max_new:
-            raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds rl.sampling.max_new_tokens ({max_new})")
+            limit = "env.max_tokens" if self.env.multi_turn else "rl.sampling.max_new_tokens"
+            raise ValueError(f"reward.overlong_buffer ({buffer}) exceeds {limit} ({max_new})")
         if self.data.train_file is not None and self.sft.steps and not self.data.has_demonstrations:
             raise ValueError(f"sft.steps is {self.sft.steps}, but a prompt file (data.train_file) gives the warm "
                              "start no demonstrations: set data.solution_field (a row field with worked "

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl import models, multiturn, sampling
+from jaxrl.envs.config import EnvConfig
 from jaxrl.loop import episodes as episodes_lib
 from jaxrl.loop.generate import Generator
 from jaxrl.sharding import make_mesh
@@ -126,6 +127,8 @@ class _CountingPool:
     """An in-process stand-in for `EnvPool`: every turn but the `answer_at`-th gets the observation "=7;",
     and a reward part; the state counts the turns."""
 
+    stop_strings = tuple("0123456789+-=;")  # every character ends a turn: a random policy's turns are short
+
     def __init__(self, answer_at):
         self.answer_at, self.steps = answer_at, []
 
@@ -147,12 +150,9 @@ class _Problem:
 def _driver(pool, tokenizer, **limits):
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     generate = Generator(tokenizer, (16,), mesh)
-    # every character ends a turn: a random policy's turns stop after a token or two
-    settings = dict(max_turns=3, max_tokens=48, turn_tokens=6, observation_tokens=8,
-                    stop_strings=tuple("0123456789+-=;"))
+    settings = dict(max_turns=3, max_tokens=48, turn_tokens=6, observation_tokens=8)
     settings.update(limits)
-    return episodes_lib.EpisodeGenerator(generate, pool, lambda observation, turn: observation,
-                                         lambda p: {"prompt": p.prompt}, **settings)
+    return episodes_lib.EpisodeGenerator(generate, pool, EnvConfig(**settings))
 
 
 @pytest.fixture(scope="module")

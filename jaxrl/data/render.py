@@ -33,8 +33,10 @@ def conversation(record: _Record, system_prompt: str | None = None) -> list[dict
     return turns
 
 
-def render_prompt(record: _Record, tokenizer, *, chat_template: bool, system_prompt: str | None = None) -> str:
-    """The prompt text of `record` (anything with `.prompt`; a `PromptRecord` may carry `.messages`).
+def render_prompt(record: _Record, tokenizer, *, chat_template: bool, system_prompt: str | None = None,
+                  tools: Sequence[dict] = ()) -> str:
+    """The prompt text of `record` (anything with `.prompt`; a `PromptRecord` may carry `.messages`); with a
+    chat template, `tools` (JSON schemas) go to its `tools=` when given.
 
     ValueError for a chat record without `chat_template` or a `system_prompt` without it (config validation
     refuses both first: `data.format: messages` and `data.system_prompt` need `data.chat_template: true`).
@@ -46,4 +48,6 @@ def render_prompt(record: _Record, tokenizer, *, chat_template: bool, system_pro
         if system_prompt is not None:
             raise ValueError("data.system_prompt needs data.chat_template: true")
         return record.prompt
+    if tools:
+        return tokenizer.apply_chat_template(conversation(record, system_prompt), tools=list(tools))
     return tokenizer.apply_chat_template(conversation(record, system_prompt))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import multiturn
+from jaxrl.envs.config import EnvConfig
+from jaxrl.envs.render import observation_text
 from jaxrl.loop.generate import Generation, Generator
+from jaxrl.loop.rollout import row_of
 from jaxrl.sampling import FINISH_EOS, FINISH_LENGTH, Rollout, SamplingConfig, stop_sequences_for
 from jaxrl.sharding import data_shard, from_process_local, process_local, process_max
 from jaxrl.tokenizer import left_pad, round_up
@@ -108,27 +111,27 @@ def episode_metrics(episodes: Sequence[Episode], model_tokens: np.ndarray, prefi
 class EpisodeGenerator:
     """Multi-turn sampler front end: a `Generator` (prompt rendering, tokenizer, mesh) plus an environment pool.
 
-    `pool`: has `reset(rows) -> [(state, first observation | None)]` and `step(states, turns) -> [EnvStep]`
-    (`jaxrl.envs.EnvPool`). `observation_text(observation, turn)`: the text appended for an `EnvStep`'s
-    observation after the model's `turn` (a string as is; tool messages through the chat template's tool
-    role or the plain format). `row_of(problem)`: the data row `reset` gets.
+    `pool`: has `reset(rows) -> [(state, first observation | None)]`, `step(states, turns) -> [EnvStep]` and
+    `stop_strings` (`jaxrl.envs.EnvPool`). `env`: the limits (`max_turns`, `max_tokens`, `turn_tokens`,
+    `observation_tokens`) and the tool-call format observations are rendered in (`jaxrl.envs.render`).
     """
 
     generate: Generator
     pool: Any
-    observation_text: Callable[[Any, str], str]
-    row_of: Callable[[Any], Mapping]
-    max_turns: int
-    max_tokens: int
-    turn_tokens: int
-    observation_tokens: int
-    stop_strings: tuple[str, ...] = ()
+    env: EnvConfig
 
     def __post_init__(self):
+        stop_strings = tuple(getattr(self.pool, "stop_strings", ()))
         self.stop_sequences = tuple(dict.fromkeys(
-            self.generate.stop_sequences + stop_sequences_for(self.generate.tokenizer, self.stop_strings)))
-        self.spare = round_up(self.observation_tokens, OBSERVATION_BUCKET)
+            self.generate.stop_sequences + stop_sequences_for(self.generate.tokenizer, stop_strings)))
+        self.spare = round_up(self.env.observation_tokens, OBSERVATION_BUCKET)
         self.prefilled_tokens = 0  # observation tokens run through the model so far (with bucket padding)
+
+    def observation_text(self, observation, turn: str) -> str:
+        """The text appended for an `EnvStep.observation` after the model's `turn`: a string as is; tool
+        messages through the chat template's tool role, or the plain format without a template."""
+        return observation_text(observation, turn, self.generate.tokenizer, self.generate.chat_template,
+                                self.env.tool_format)
 
     # The `Generator` attributes the rest of the loop reads (evaluation, warm start, samples).
     @property
@@ -155,7 +158,7 @@ class EpisodeGenerator:
         """Episodes for rows `p * group_size + g` (sample g of `prompts[p]`); `config.max_new_tokens` is
         replaced by the episode budget `env.max_tokens`."""
         tokenizer, mesh = self.generate.tokenizer, self.generate.mesh
-        starts = self.pool.reset([self.row_of(p) for p in prompts])
+        starts = self.pool.reset([row_of(p) for p in prompts])
         texts = [self.generate.render(p) + (first or "") for p, (_, first) in zip(prompts, starts)]
         rows = [tokenizer.encode_prompt(t, templated=self.generate.chat_template) for t in texts]
         longest = process_max(max(map(len, rows)))
@@ -168,18 +171,18 @@ class EpisodeGenerator:
         batch = len(states)
         global_tokens, global_valid = from_process_local((tokens, valid), mesh)
         episodes = multiturn.start(policy, global_tokens, global_valid, group_size=group_size,
-                                   capacity=self.max_tokens, spare=self.spare, pad_id=tokenizer.pad_id,
+                                   capacity=self.env.max_tokens, spare=self.spare, pad_id=tokenizer.pad_id,
                                    int8=config.kv_cache_dtype == "int8", policy_logp=config.policy_logp)
         records = [Episode() for _ in range(batch)]
         done = np.zeros(batch, bool)
         stop_ids = tuple(tokenizer.stop_ids)
-        for turn in range(self.max_turns):
+        for turn in range(self.env.max_turns):
             if not process_max(int((~done).any())):
                 break
             before = process_local(episodes.length, mesh)
             episodes, why = multiturn.decode_turn(
                 policy, episodes, from_process_local(~done, mesh), jax.random.fold_in(rng, turn), config,
-                stop_ids, tokenizer.pad_id, temperature, turn_tokens=self.turn_tokens,
+                stop_ids, tokenizer.pad_id, temperature, turn_tokens=self.env.turn_tokens,
                 stop_sequences=self.stop_sequences)
             after, ids, why = process_local((episodes.length, episodes.tokens, why), mesh)
             stepping = []
@@ -189,7 +192,7 @@ class EpisodeGenerator:
                     done[b], records[b].finish = True, MAX_TOKENS if why[b] == multiturn.EPISODE_FULL else TURN_TOKENS
                 else:
                     stepping.append(b)
-            observations = self._step(stepping, states, records, done, after, last_turn=turn == self.max_turns - 1)
+            observations = self._step(stepping, states, records, done, after, last_turn=turn == self.env.max_turns - 1)
             width = process_max(max((len(o) for o in observations.values()), default=0))
             if width:
                 width = round_up(width, OBSERVATION_BUCKET)
@@ -229,7 +232,7 @@ class EpisodeGenerator:
                 continue  # ends as MAX_TURNS: no turn is left to read the observation
             text = self.observation_text(result.observation, record.turns[-1][1])
             ids = self.generate.tokenizer.encode(text)
-            room = min(self.observation_tokens, self.max_tokens - int(lengths[b]) - 1)  # >= 1 token to answer
+            room = min(self.env.observation_tokens, self.env.max_tokens - int(lengths[b]) - 1)  # >= 1 to answer
             if room <= 0:
                 done[b], record.finish = True, MAX_TOKENS
                 continue

@@ -17,8 +17,10 @@ from jaxrl import configlib, models, registry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import Config
 from jaxrl.errors import RunConfigError
+from jaxrl.envs.pool import EnvPool
 from jaxrl.extras import check_extras
 from jaxrl.loop import held_out, outputs, progress, resume, rl, setup
+from jaxrl.loop.episodes import EpisodeGenerator
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.warm_start import warm_start
 from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
@@ -74,6 +76,9 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
     with contextlib.ExitStack() as finally_close:
         finally_close.callback(checkpointer.close)  # on an error too: an async save in flight is finished
         resources = open_resources(config, ready, metrics_path, checkpointer, finally_close)
+        if resources.env_pool is not None:  # multi-turn: episodes with the environment's workers
+            ready = dataclasses.replace(ready, generate=EpisodeGenerator(ready.generate, resources.env_pool,
+                                                                         config.env))
         policy, before = warm_start_and_evaluate(config, ready, resources, times)
         t0 = time.perf_counter()
         state, _, totals = rl.train(policy, config, (ready.train_problems, ready.eval_problems), ready.generate,
@@ -115,7 +120,10 @@ def open_resources(config: Config, ready: Prepared, metrics_path: str, checkpoin
     pool = held_out.evaluation_pool(config, scorer)
     if pool is not scorer.pools["correct"]:
         finally_close.enter_context(pool)
-    return rl.RunResources(writer, scorer, held_out.Evaluator.of(config, pool), samples, checkpointer)
+    env_pool = None
+    if config.env.multi_turn:
+        env_pool = finally_close.enter_context(EnvPool(config.env, startup_timeout_s=config.reward.startup_timeout_s))
+    return rl.RunResources(writer, scorer, held_out.Evaluator.of(config, pool), samples, checkpointer, env_pool)
 
 
 def prepare(config: Config, resume_step: int | None) -> Prepared:

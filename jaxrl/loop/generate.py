@@ -39,15 +39,16 @@ class Generator:
     chat_template: bool = False
     system_prompt: str | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a completion
+    tool_schemas: tuple[dict, ...] = ()  # the chat template's `tools=` (a multi-turn run's tools)
 
     @classmethod
     def fitting(cls, prompts: Sequence, tokenizer: BaseTokenizer, mesh, chat_template: bool = False,
                 system_prompt: str | None = None, buckets: int = 4,
-                stop_strings: Sequence[str] = ()) -> "Generator":
+                stop_strings: Sequence[str] = (), tool_schemas: Sequence[dict] = ()) -> "Generator":
         """A generator whose longest padded prompt length fits every one of `prompts`, with `buckets`
         lengths in all (`prompt_length_buckets`), stopping at `stop_strings` (`stop_sequences_for`)."""
         generate = cls(tokenizer, (), mesh, chat_template, system_prompt,
-                       stop_sequences_for(tokenizer, stop_strings))
+                       stop_sequences_for(tokenizer, stop_strings), tuple(tool_schemas))
         longest = max(map(len, map(generate.prompt_tokens, prompts)))
         return dataclasses.replace(generate, prompt_lengths=prompt_length_buckets(longest, buckets))
 
@@ -61,7 +62,7 @@ class Generator:
         `jaxrl.data.render.render_prompt`) or a prompt string."""
         record = _Prompt(item) if isinstance(item, str) else item
         return render_prompt(record, self.tokenizer, chat_template=self.chat_template,
-                             system_prompt=self.system_prompt)
+                             system_prompt=self.system_prompt, tools=self.tool_schemas)
 
     def prompt_tokens(self, item) -> list[int]:
         return encode_prompt(self.tokenizer, self.render(item), templated=self.chat_template)

@@ -70,6 +70,7 @@ class RunResources:
     evaluator: held_out.Evaluator  # the held-out evaluation's reward
     samples: SampleLog  # samples.jsonl
     checkpointer: Checkpointer
+    env_pool: Any = None  # a multi-turn run's environment workers (`jaxrl.envs.EnvPool`), else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl import configlib, losses, models
+from jaxrl import configlib, losses, models, registry
 from jaxrl.config import Config, OptimConfig
 from jaxrl.data import arithmetic
 from jaxrl.data.demonstrations import demonstration_pairs
 from jaxrl.data.prompts import DataError, load_prompts
+from jaxrl.envs.render import check_tool_role
 from jaxrl.errors import RunConfigError
 from jaxrl.losses import Controls
 from jaxrl.loop import progress
@@ -174,10 +175,17 @@ def hf_files(path: str) -> str | None:
 
 def make_generator(problems, tokenizer: BaseTokenizer, mesh, config: Config) -> Generator:
     """The sampler front end for `problems`' prompts (rendered, encoded and bucketed now: a template that
-    refuses them fails here, naming `data.chat_template`)."""
+    refuses them fails here, naming `data.chat_template`). In a multi-turn run with a chat template, the
+    template must have a tool role and gets the environment's tool schemas (`tools=`)."""
+    tool_schemas = ()
     try:
+        if config.env.multi_turn and config.data.chat_template:
+            check_tool_role(tokenizer)
+            environment = registry.resolve("environment", config.env.name, "env.name").fn(config.env)
+            tool_schemas = tuple(getattr(environment, "tool_schemas", ()))
         return Generator.fitting(problems, tokenizer, mesh, config.data.chat_template,
-                                 config.data.system_prompt, config.data.prompt_buckets, config.tokenizer.stop_strings)
+                                 config.data.system_prompt, config.data.prompt_buckets, config.tokenizer.stop_strings,
+                                 tool_schemas=tool_schemas)
     except ChatTemplateError as e:
         raise ChatTemplateError(f"data.chat_template: {e}") from None
 
@@ -228,7 +236,7 @@ def step_programs(config: Config) -> StepPrograms:
     optimizer = optimizer_from(rl.optim)
     with_critic = rl.critic.model != "none"
     critic_optimizer = optimizer_from(rl.critic.optim) if with_critic else None
-    step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or rl.sampling.max_new_tokens,
+    step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or config.completion_tokens,
                      critic_optimizer=critic_optimizer, full_kl=loss_config.needs_full_kl)
     objective = losses.build_loss(loss_config, with_critic=with_critic)
     step_args["donate"] = not rl.overlap
@@ -237,7 +245,7 @@ def step_programs(config: Config) -> StepPrograms:
     # the rollout's log-probs and values in rl.micro_batches groups of rows: the train step's activation bound
     logprobs = jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches))
     values = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
-    component_weights = config.reward.component_weights()
+    component_weights = config.component_weights()
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         component_weights=tuple(component_weights.values())))
     return StepPrograms(update, warmup, logprobs, values, prepare, component_weights)

@@ -161,7 +161,7 @@ def shape(components: Mapping[str, np.ndarray], texts: Sequence[str], lengths: n
     `env`, weight 1."""
     components = {name: np.asarray(v, np.float32) for name, v in components.items()}
     weights = config.component_weights()
-    if env_rewards is not None:
+    if env_rewards is not None:  # last, as `Config.component_weights` orders it
         components["env"], weights["env"] = np.asarray(env_rewards, np.float32), 1.0
     if config.format_weight:
         components["format"] = np.array([format_reward(t, pattern=config.format_pattern) for t in texts],
