@@ -7,6 +7,7 @@ registered as binary (right or wrong: arithmetic, math), `eval/reward` (its mean
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -17,8 +18,9 @@ import numpy as np
 
 from jaxrl import evaluation, rewards
 from jaxrl.config import Config
+from jaxrl.envs.pool import EnvPool
 from jaxrl.loop import progress, setup
-from jaxrl.loop.episodes import episode_metrics
+from jaxrl.loop.episodes import EpisodeGenerator, episode_metrics
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import score
 from jaxrl.models.hf import CheckpointError
@@ -177,7 +179,10 @@ def evaluate_checkpoint(config: Config, checkpoint: str, completions_file: str |
     tokenizer, _ = setup.load_checkpoint_tokenizer(checkpoint, config, "checkpoint")
     generate = setup.make_generator(eval_problems, tokenizer, layout.mesh, config)
     completions = [] if completions_file else None
-    with evaluation_pool(config) as pool:
+    with evaluation_pool(config) as pool, contextlib.ExitStack() as env:
+        if config.env.multi_turn:  # episodes with the environment's workers, as in training
+            generate = EpisodeGenerator(generate, env.enter_context(
+                EnvPool(config.env, startup_timeout_s=config.reward.startup_timeout_s)), config.env)
         evaluator = Evaluator.of(config, pool)
         result = final_evaluation(policy, generate, eval_problems, evaluator, config, completions)
     if completions_file and is_primary():
