@@ -177,7 +177,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     policy = abstract_policy(model, layout)
     parallel = data_parallel_size(mesh)
 
-    prompts, group, new = rl.prompts_per_step, rl.group_size, rl.sampling.max_new_tokens
+    prompts, group, new = rl.prompts_per_step, rl.group_size, config.completion_tokens  # an episode: env.max_tokens
     sequences = prompts * group
     # Prompts that do not split over the data-parallel devices are repeated, one sample each (`Generator`).
     sampled_prompts, sampled_group = (prompts, group) if prompts % parallel == 0 else (sequences, 1)
