@@ -207,3 +207,15 @@ def test_only_observation_tokens_are_prefilled(policy, tokenizer):
     stepped = len(pool.steps[0]) if pool.steps else 0
     assert driver.prefilled_tokens == (2 * episodes_lib.OBSERVATION_BUCKET if stepped else 0)
     del out
+
+
+def test_turn_credit_arrays_place_each_turns_reward_at_its_end():
+    first = episodes_lib.Episode(spans=[(0, 3), (5, 7)], turn_rewards=[{"a": 0.5}, {"a": 0.25, "b": 1.0}])
+    empty = episodes_lib.Episode(spans=[(0, 0)], turn_rewards=[{}])
+    budget = episodes_lib.Episode(spans=[(0, 4)], turn_rewards=[{}])
+    token_rewards, turn_ids = episodes_lib.turn_credit_arrays([first, empty, budget], np.array([2.75, 0.0, 1.0]), 8)
+    np.testing.assert_allclose(token_rewards[0], [0, 0, 0.5, 0, 0, 0, 0.25 + 1.0 + 1.0, 0])  # 2.75 - 1.75 env
+    np.testing.assert_array_equal(turn_ids[0], [0, 0, 0, -1, -1, 1, 1, -1])
+    assert not token_rewards[1].any() and (turn_ids[1] == -1).all()
+    np.testing.assert_allclose(token_rewards[2], [0, 0, 0, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(token_rewards.sum(1), [2.75, 0.0, 1.0])

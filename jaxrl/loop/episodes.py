@@ -50,7 +50,8 @@ class Episode:
     environment's reward parts per model turn, tool counts, and why it ended."""
 
     turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    turn_rewards: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each model turn's [start, end) tokens
+    turn_rewards: list[dict[str, float]] = dataclasses.field(default_factory=list)  # one per model turn
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
@@ -105,6 +106,25 @@ def episode_metrics(episodes: Sequence[Episode], model_tokens: np.ndarray, prefi
     for reason in (ANSWERED, MAX_TURNS, MAX_TOKENS, TURN_TOKENS, ENV_ERROR):
         metrics[f"finish_{reason}_frac"] = sum(e.finish == reason for e in episodes) / n
     return {prefix + k: float(v) for k, v in metrics.items()}
+
+
+def turn_credit_arrays(episodes: Sequence[Episode], totals: np.ndarray, width: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """`(token_rewards [B, N] float32, turn_ids [B, N] int32)` for per-turn credit
+    (`rl.loss.advantage.turn_credit`): each model turn's environment rewards on its last token, the rest of
+    the episode's reward (`totals [B]` less the environment's part: the verifiable reward and shaping) on the
+    episode's last model token, so each row's token rewards sum to its total; each model token's turn index,
+    -1 on observations and padding. `N = width`: the episode capacity."""
+    token_rewards = np.zeros((len(episodes), width), np.float32)
+    turn_ids = np.full((len(episodes), width), -1, np.int32)
+    for b, episode in enumerate(episodes):
+        spans = [(k, start, end) for k, (start, end) in enumerate(episode.spans) if end > start]
+        for k, start, end in spans:
+            turn_ids[b, start:end] = k
+            token_rewards[b, end - 1] += sum(episode.turn_rewards[k].values()) if k < len(episode.turn_rewards) else 0
+        if spans:
+            token_rewards[b, spans[-1][2] - 1] += totals[b] - sum(episode.reward_totals().values())
+    return token_rewards, turn_ids
 
 
 @dataclasses.dataclass
@@ -188,8 +208,10 @@ class EpisodeGenerator:
             stepping = []
             for b in np.flatnonzero(~done):
                 records[b].turns.append(("model", tokenizer.decode(ids[b, before[b]:after[b]])))
+                records[b].spans.append((int(before[b]), int(after[b])))
                 if why[b] != multiturn.TURN_STOPPED:
                     done[b], records[b].finish = True, MAX_TOKENS if why[b] == multiturn.EPISODE_FULL else TURN_TOKENS
+                    records[b].turn_rewards.append({})
                 else:
                     stepping.append(b)
             observations = self._step(stepping, states, records, done, after, last_turn=turn == self.env.max_turns - 1)

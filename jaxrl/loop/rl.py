@@ -28,14 +28,15 @@ from jaxrl.data.batching import shuffled_batches
 from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
 from jaxrl.losses import Controls
 from jaxrl.loop import held_out, progress, resume, setup
-from jaxrl.loop.episodes import episode_metrics
+from jaxrl.loop.episodes import episode_metrics, turn_credit_arrays
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, sample_rollout, score, shaped_rewards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.rewards.scoring import RewardScorer
 from jaxrl.samples import SampleLog, sequence_advantages
 from jaxrl.sampling import FINISH_LENGTH, compiled_programs
-from jaxrl.sharding import allgather, data_shard, gather, process_local, process_max, process_rows, shard_batch
+from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, process_local, process_max,
+                            process_rows, shard_batch)
 from jaxrl.train import TrainState, copy_arrays
 
 log = logging.getLogger("jaxrl")
@@ -195,7 +196,8 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     jax.block_until_ready(batch)
     t4 = time.perf_counter()
     logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
-    train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step)
+    train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step,
+                                               produced.generation.episodes)
     log_samples(ctx, step, produced, composed, train_batch["advantages"])
     if ctx.background is not None and not flushes_after(config, step) and not ctx.preempted:
         # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
@@ -263,19 +265,25 @@ def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh)
     return rewards.RewardResult(np.asarray(all_rewards, np.float32), timeouts, errors, local.seconds)
 
 
-def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedRewards, greedy_rewards, step: int
-                   ) -> tuple[dict, dict]:
+def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedRewards, greedy_rewards, step: int,
+                   episodes=None) -> tuple[dict, dict]:
     """The update's batch: the rollout's arrays with `losses.prepare_batch`'s fields (advantages, ...) from
-    the shaped rewards `[B]` and their components `[B, K]`; and prepare_batch's metrics."""
+    the shaped rewards `[B]` and their components `[B, K]` (multi-turn: and the per-turn rewards of this
+    process's `episodes`); and prepare_batch's metrics."""
     mesh, weights = ctx.sampler.generate.mesh, ctx.programs.component_weights
     component_array = np.stack([composed.components[k] for k in weights], axis=1)  # [B, K]
+    turns = {}
+    if episodes is not None:  # multi-turn: each turn's rewards where it ends (gae, turn_credit: discounted)
+        mine = process_rows(len(composed.total), mesh)
+        turns = dict(zip(("token_rewards", "turn_ids"), from_process_local(turn_credit_arrays(
+            episodes, composed.total[mine], batch["completion_mask"].shape[1]), mesh)))
     fields, prep_metrics = ctx.programs.prepare(
         rewards=shard_batch(composed.total, mesh), completion_mask=batch["completion_mask"],
         old_logp=batch["old_logp"], key=jax.random.fold_in(ctx.loss_key, step), truncated=batch["truncated"],
         entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
         values=batch.get("old_values"),
         greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, mesh),
-        components=shard_batch(component_array, mesh))
+        components=shard_batch(component_array, mesh), **turns)
     train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
                    if k in batch}
     train_batch.update(fields)
