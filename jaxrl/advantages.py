@@ -418,12 +418,12 @@ def turn_returns(token_rewards: jax.Array, turn_ids: jax.Array, mask: jax.Array,
     rewards elsewhere are ignored), `G_k = sum_{j >= k} turn_gamma^(j - k) R_j`.
 
     Returns `(returns [B, N]`: `G_k` on each model token of turn k, 0 elsewhere; `episode_returns [B]`: `G_0`,
-    0 for a row without model tokens`)`. Turn ids must be < N (each turn has at least one token).
+    0 for a row without model tokens`)`. Tokens whose turn id is not in [0, N) count as no turn's.
     """
     rewards = jnp.asarray(token_rewards, jnp.float32)
     turn_ids = jnp.asarray(turn_ids, jnp.int32)
     batch, length = rewards.shape
-    valid = (turn_ids >= 0) & (jnp.asarray(mask) > 0)
+    valid = (turn_ids >= 0) & (turn_ids < length) & (jnp.asarray(mask) > 0)
     rows = jnp.arange(batch)[:, None]
     per_turn = jnp.zeros_like(rewards).at[rows, jnp.where(valid, turn_ids, length)].add(
         jnp.where(valid, rewards, 0.0), mode="drop")  # [B, turns <= N]

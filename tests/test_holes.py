@@ -15,7 +15,6 @@ from jaxrl.advantages import AdvantageConfig
 from jaxrl.losses import (AGGREGATIONS, Controls, LossConfig, LossInputs, aggregate, build_loss, clip_cov_mask,
                           kl_cov_mask, normalizers, prepare_batch, top_entropy_mask, truncated_is_weights,
                           truncation_mask)
-from jaxrl.losses import policy
 
 TOL = 1e-5
 B, N, G = 8, 14, 4
@@ -657,3 +656,13 @@ def test_build_loss_with_holes_equals_the_compacted_batch(fields):
     for g_holes, g_packed in zip(holes[2], packed[2]):
         close(np.asarray(g_holes) * (mask == 0), 0.0)
         close(adv.compact(g_holes, jnp.asarray(mask)), g_packed)
+
+
+def test_prepare_batch_passes_per_turn_credit_under_jit():
+    d = data(21)
+    cfg = LossConfig(advantage=AdvantageConfig(estimator="rloo", turn_credit="discounted", turn_gamma=0.6))
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    fields, _ = jax.jit(functools.partial(prepare_batch, cfg, group_size=G))(
+        rewards=f(d["rewards"]), completion_mask=jnp.asarray(d["mask"] > 0), old_logp=f(d["old_logp"]),
+        key=jax.random.PRNGKey(0), token_rewards=f(d["token_rewards"]), turn_ids=jnp.asarray(d["turns"], jnp.int32))
+    close(fields["advantages"], _turn_reference("rloo", cfg.advantage, d, penalty=False))
