@@ -2,12 +2,32 @@
 
 Shapes: B sequences, N completion tokens, G samples per prompt (`group_size`, a static Python int).
 Groups are contiguous: the G samples of one prompt are adjacent rows, so B = num_prompts * G.
-`mask [B, N]` is the completion mask (float or bool): per row a contiguous prefix of 1s, possibly all
-zeros (an empty completion). Everything is computed in float32 and is jit-safe: no Python control flow
-on traced values, only on static arguments (`group_size`, flags, the config).
+`mask [B, N]` is the completion mask (float or bool). In a single-turn rollout it is a contiguous prefix of
+1s per row (possibly all zeros: an empty completion). In a multi-turn episode it has *holes*: the
+observation tokens (tool results) sit between the model turns with mask 0. Every estimator here gives, on
+the model tokens, what it gives on the *compacted* rows (observation tokens dropped, model tokens shifted
+left), and 0 on the holes: sums and means over the mask need nothing more; `outcome_token_rewards` puts
+the reward on the episode's last model token; GAE's delta and recursion bootstrap from the next *model*
+token (`_gae_scan`), and the terminal is after the last one; `gtpo`'s per-position statistics are taken
+at compacted positions (`compact` / `expand`). Everything is computed in float32 and is jit-safe: no
+Python control flow on traced values, only on static arguments (`group_size`, flags, the config).
 
 Sequence-level estimators return `[B]` (broadcast over tokens with `broadcast_to_tokens`); token-level
 ones (`gae`, `gtpo`, `reinforce_pp` with a token penalty) return `[B, N]`, already multiplied by the mask.
+
+Per-turn credit (`AdvantageConfig.turn_credit`, multi-turn episodes): with "final" (the default) the
+sequence reward `rewards [B]` is used as in a single-turn run. With "discounted", `token_rewards [B, N]`
+(each turn's reward on its last model token, the outcome on the episode's last model token) and
+`turn_ids [B, N]` (the model turn of each token, -1 on observation tokens and padding) give each model
+token of turn k the return `G_k = sum_{j >= k} turn_gamma^(j - k) R_j` (`turn_returns`), with `R_j` the
+sum of turn j's token rewards; the group baseline is taken from the episode returns `G_0`:
+- grpo: `A = (G_k - mean_group(G_0)) / (std(G_0) + eps)`, std as `std_scope` says (group / batch / none);
+- rloo: `A = G_k - (sum_group(G_0) - G_0) / (G - 1)`, the leave-one-out mean of the others' `G_0`;
+- reinforce_pp: the return `G_k` (minus `mean_group(G_0)` with `group_baseline`), whitened over the
+  batch's model tokens;
+- gae: `token_rewards` in place of `outcome_token_rewards`, discounted per token by `gamma`
+  (`turn_gamma` must stay 1).
+Estimators registered without `turn_credit=True` refuse "discounted" (`LossConfig.check_pieces`).
 """
 
 from __future__ import annotations
@@ -48,6 +68,11 @@ class AdvantageConfig:
     entropy_bonus_kappa: float = dataclasses.field(default=2.0, metadata={"gt": 0})
     entropy_weight: float = dataclasses.field(default=1.0, metadata={"ge": 0})  # gtpo alpha2 / grpo_s beta2
     eps: float = dataclasses.field(default=1e-6, metadata={"gt": 0})
+    # Multi-turn episodes: "final" broadcasts the sequence reward (as a single-turn run does); "discounted"
+    # gives each model turn k the return sum_{j >= k} turn_gamma^(j - k) R_j of its own and later turns'
+    # rewards (needs the rollout's token_rewards and turn_ids; estimators registered with turn_credit=True).
+    turn_credit: Literal["final", "discounted"] = "final"
+    turn_gamma: float = dataclasses.field(default=1.0, metadata={"ge": 0, "le": 1})
 
 
 # --------------------------------------------------------------------------- helpers
@@ -109,6 +134,32 @@ def _whiten(x: jax.Array, weights: jax.Array, axis, eps: float) -> jax.Array:
 def _next(x: jax.Array) -> jax.Array:
     """`[B, N]` shifted one step left in time, zero-filled: `out[:, t] = x[:, t + 1]`."""
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+
+def compact(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each row's masked-in entries of `x [B, N]` shifted left in order, zeros after. -> `[B, N]` float32.
+
+    With a multi-turn mask this drops the observation tokens (the holes); `compacted_mask` is the mask of
+    the result and `expand` the way back.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    valid = jnp.asarray(mask) > 0
+    dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, x.shape[1])  # out of range: dropped
+    rows = jnp.arange(x.shape[0])[:, None]
+    return jnp.zeros_like(x).at[rows, dest].set(x, mode="drop")
+
+
+def compacted_mask(mask: jax.Array) -> jax.Array:
+    """The mask of `compact(x, mask)`: per row a prefix of as many 1s as `mask` has. `[B, N]` float32."""
+    lengths = (jnp.asarray(mask) > 0).sum(axis=1)
+    return (jnp.arange(mask.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
+
+
+def expand(y: jax.Array, mask: jax.Array) -> jax.Array:
+    """The inverse of `compact`: the k-th masked-in position of each row gets `y[:, k]`, the others 0."""
+    valid = jnp.asarray(mask) > 0
+    index = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    return jnp.where(valid, jnp.take_along_axis(jnp.asarray(y, jnp.float32), index, axis=1), 0.0)
 
 
 # --------------------------------------------------------------------------- group baselines, [B] -> [B]
@@ -213,25 +264,34 @@ def opo(rewards: jax.Array, lengths: jax.Array, group_size: int, *, eps: float =
 
 
 def outcome_token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
-    """`[B]` outcome rewards placed on each row's last valid token of `mask [B, N]`; zero elsewhere.
-
-    A row with no valid token stays all zero. -> `[B, N]` float32.
+    """`[B]` outcome rewards placed on each row's last valid token of `mask [B, N]` (the episode's last model
+    token, not the end of each turn); zero elsewhere. A row with no valid token stays all zero. -> `[B, N]`.
     """
     mask = jnp.asarray(mask, jnp.float32)
-    last = mask * (1.0 - _next(mask))  # 1 exactly at the end of the valid prefix
+    to_go = jnp.flip(jnp.cumsum(jnp.flip(mask, axis=1), axis=1), axis=1)  # valid tokens at or after t
+    last = mask * (to_go == 1.0)  # 1 exactly at the last valid token
     return jnp.asarray(rewards, jnp.float32)[:, None] * last
 
 
-def _gae_scan(delta: jax.Array, next_mask: jax.Array, discount: jax.Array) -> jax.Array:
-    """`A_t = delta_t + discount * m_{t+1} * A_{t+1}` backwards in time; discount `[B]`."""
+def _gae_scan(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float,
+              discount: jax.Array) -> jax.Array:
+    """GAE backwards in time over the valid tokens only; `[B, N]` float32, 0 on invalid tokens.
+
+    At a valid token t, with t' the next valid token (none: the terminal, where V and A are 0):
+    `delta_t = r_t + gamma * V_t' - V_t` and `A_t = delta_t + discount * A_t'`; discount `[B]` (gamma * lam).
+    Invalid tokens (holes, padding) pass the carry through unchanged, so a multi-turn row gives what its
+    compacted row gives. On a prefix mask the arithmetic is that of the plain recursion, bit for bit.
+    """
 
     def step(carry, xs):
-        delta_t, next_mask_t = xs
-        adv = delta_t + discount * next_mask_t * carry
-        return adv, adv
+        next_value, next_adv = carry
+        r_t, v_t, m_t = xs
+        adv = (r_t + gamma * next_value - v_t) + discount * next_adv
+        keep = m_t > 0
+        return (jnp.where(keep, v_t, next_value), jnp.where(keep, adv, next_adv)), jnp.where(keep, adv, 0.0)
 
-    _, adv = jax.lax.scan(step, jnp.zeros(delta.shape[0], jnp.float32), (delta.T, next_mask.T),
-                          reverse=True)
+    zeros = jnp.zeros(mask.shape[0], jnp.float32)
+    _, adv = jax.lax.scan(step, (zeros, zeros), (token_rewards.T, values.T, mask.T), reverse=True)
     return adv.T
 
 
@@ -241,18 +301,18 @@ def decoupled_gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, 
     """GAE with separate lambdas for the policy and the value targets (VC-PPO, Yuan et al. 2025,
     arXiv 2503.01491).
 
-    `delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t` (the value after the last valid token is 0),
-    `A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}`. Returns `(advantages [B, N] from lam_actor,
-    returns [B, N] = A + V from lam_critic)`, both times the mask. Each lambda: a float or `[B]`.
+    `delta_t = r_t + gamma * V_t' - V_t` and `A_t = delta_t + gamma * lam * A_t'`, where t' is the next
+    valid token (skipping the holes of a multi-turn mask; after the last valid token V and A are 0).
+    Returns `(advantages [B, N] from lam_actor, returns [B, N] = A + V from lam_critic)`, both times the
+    mask. Each lambda: a float or `[B]`. Rewards on invalid tokens are ignored.
     """
     mask = jnp.asarray(mask, jnp.float32)
     values = jnp.asarray(values, jnp.float32)
-    next_mask = _next(mask)
-    delta = jnp.asarray(token_rewards, jnp.float32) + gamma * _next(values) * next_mask - values
+    token_rewards = jnp.asarray(token_rewards, jnp.float32)
 
     def advantages(lam):
         discount = gamma * jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (mask.shape[0],))
-        return _gae_scan(delta, next_mask, discount)
+        return _gae_scan(token_rewards, values, mask, gamma, discount)
 
     returns = (advantages(lam_critic) + values) * mask
     return advantages(lam_actor) * mask, returns
@@ -262,9 +322,9 @@ def gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: 
         lam: float | jax.Array = 0.95) -> tuple[jax.Array, jax.Array]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv 1506.02438).
 
-    token_rewards, values, mask `[B, N]`; lam a float or `[B]`. With
-    `delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t` and `A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}`
-    (terminal after the last valid token), returns `(A [B, N], A + V [B, N])`, both times the mask.
+    token_rewards, values, mask `[B, N]`; lam a float or `[B]`. With t' the next valid token,
+    `delta_t = r_t + gamma * V_t' - V_t` and `A_t = delta_t + gamma * lam * A_t'` (terminal after the last
+    valid token), returns `(A [B, N], A + V [B, N])`, both times the mask (see `decoupled_gae`).
     """
     return decoupled_gae(token_rewards, values, mask, gamma=gamma, lam_actor=lam, lam_critic=lam)
 
@@ -302,15 +362,16 @@ def gtpo(rewards: jax.Array, entropy: jax.Array, mask: jax.Array, group_size: in
     token rewards, normalised per group.
 
     Our reading for binary rewards. Within a group, O+ = {i: r_i > 0}, O- = the rest; H = max(H, eps),
-    stop-gradient. At position t, d_t / h_t = the number of O+ / O- rows valid at t. Shaped reward:
+    stop-gradient. Positions are those of the compacted rows (a multi-turn row's t-th model token is at
+    position t; `compact`). At position t, d_t / h_t = the number of O+ / O- rows valid at t. Shaped reward:
       i in O+: `alpha1 * r_i + alpha2 * H_it / sum_{k in O+} (H_kt m_kt) * d_t`
       j in O-: `-alpha1 - alpha2 * (1 / H_jt) / sum_{k in O-} (m_kt / H_kt) * h_t`
     Advantage: `(x - mean) / (std + eps)` over all valid tokens of the group, times the mask.
     rewards `[B]`, entropy, mask `[B, N]` -> `[B, N]`.
     """
     r = _groups(rewards, group_size)[..., None]  # [P, G, 1]
-    m = _row_groups(mask, group_size)
-    h = jnp.maximum(jax.lax.stop_gradient(_row_groups(entropy, group_size)), eps)
+    m = _row_groups(compacted_mask(mask), group_size)
+    h = jnp.maximum(jax.lax.stop_gradient(_row_groups(compact(entropy, mask), group_size)), eps)
     pos = (r > 0).astype(jnp.float32)
     neg = 1.0 - pos
     d = (pos * m).sum(axis=1, keepdims=True)  # [P, 1, N]
@@ -318,7 +379,7 @@ def gtpo(rewards: jax.Array, entropy: jax.Array, mask: jax.Array, group_size: in
     pos_share = _safe_div(h, (pos * m * h).sum(axis=1, keepdims=True)) * d
     neg_share = _safe_div(1.0 / h, (neg * m / h).sum(axis=1, keepdims=True)) * n
     shaped = jnp.where(pos > 0, alpha1 * r + alpha2 * pos_share, -alpha1 - alpha2 * neg_share)
-    return (_whiten(shaped, m, axis=(1, 2), eps=eps) * m).reshape(mask.shape)
+    return expand((_whiten(shaped, m, axis=(1, 2), eps=eps) * m).reshape(mask.shape), mask)
 
 
 def grpo_s(rewards: jax.Array, entropy: jax.Array, mask: jax.Array, group_size: int, *,
@@ -342,6 +403,92 @@ def grpo_s(rewards: jax.Array, entropy: jax.Array, mask: jax.Array, group_size: 
     neg_share = _safe_div(1.0 / h, (neg / h).sum(axis=1, keepdims=True)) * neg.sum(axis=1, keepdims=True)
     shaped = jnp.where(pos > 0, beta1 * r + beta2 * pos_share, -beta1 - beta2 * neg_share)
     return grpo(shaped.reshape(-1), group_size, std_scope="group", eps=eps)
+
+
+# --------------------------------------------------------------------------- per-turn credit
+
+
+def turn_returns(token_rewards: jax.Array, turn_ids: jax.Array, mask: jax.Array, turn_gamma: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Discounted per-turn returns of multi-turn episodes.
+
+    token_rewards `[B, N]` (each turn's reward on its last model token, the outcome on the episode's last),
+    turn_ids `[B, N]` int (the model turn of each token, 0, 1, ...; -1 on observation tokens and padding),
+    mask `[B, N]`. `R_j` = the sum of the token rewards of turn j (tokens with `turn_ids == j` and mask 1;
+    rewards elsewhere are ignored), `G_k = sum_{j >= k} turn_gamma^(j - k) R_j`.
+
+    Returns `(returns [B, N]`: `G_k` on each model token of turn k, 0 elsewhere; `episode_returns [B]`: `G_0`,
+    0 for a row without model tokens`)`. Tokens whose turn id is not in [0, N) count as no turn's.
+    """
+    rewards = jnp.asarray(token_rewards, jnp.float32)
+    turn_ids = jnp.asarray(turn_ids, jnp.int32)
+    batch, length = rewards.shape
+    valid = (turn_ids >= 0) & (turn_ids < length) & (jnp.asarray(mask) > 0)
+    rows = jnp.arange(batch)[:, None]
+    per_turn = jnp.zeros_like(rewards).at[rows, jnp.where(valid, turn_ids, length)].add(
+        jnp.where(valid, rewards, 0.0), mode="drop")  # [B, turns <= N]
+
+    def step(later, r_j):
+        g = r_j + turn_gamma * later
+        return g, g
+
+    _, by_turn = jax.lax.scan(step, jnp.zeros(batch, jnp.float32), per_turn.T, reverse=True)
+    by_turn = by_turn.T
+    returns = jnp.take_along_axis(by_turn, jnp.clip(turn_ids, 0, length - 1), axis=1)
+    return jnp.where(valid, returns, 0.0), by_turn[:, 0]
+
+
+def _turn_baseline(episode_returns: jax.Array, group_size: int, leave_one_out: bool = False) -> jax.Array:
+    """`[B]` group baseline from the episode returns `G_0`: the group mean (or, `leave_one_out`, the mean of
+    the other samples); exactly each row's own `G_0` where the group's `G_0` are all equal."""
+    grouped = _groups(episode_returns, group_size)
+    if leave_one_out:
+        baseline = (grouped.sum(axis=1, keepdims=True) - grouped) / (group_size - 1)
+    else:
+        baseline = jnp.broadcast_to(grouped.mean(axis=1, keepdims=True), grouped.shape)
+    return jnp.where(_all_equal(grouped, jnp.ones_like(grouped), axis=1), grouped, baseline).reshape(-1)
+
+
+def grpo_turns(returns: jax.Array, episode_returns: jax.Array, group_size: int, *,
+               std_scope: StdScope = "group", eps: float = 1e-6) -> jax.Array:
+    """GRPO with per-turn returns: `A_t = (G_k(t) - mean_group(G_0)) / (std(G_0) + eps)`.
+
+    std: the sample std (ddof 1) of the group's `G_0` ("group"), of all B `G_0` ("batch"), or none ("none"),
+    as in `grpo`. returns `[B, N]` (`turn_returns`), episode_returns `[B]` -> `[B, N]` (not masked).
+    """
+    grouped = _groups(episode_returns, group_size)
+    centered = jnp.asarray(returns, jnp.float32) - _turn_baseline(episode_returns, group_size)[:, None]
+    if std_scope == "group":
+        std = jnp.repeat(grouped.std(axis=1, ddof=min(1, group_size - 1)), group_size)[:, None]
+    elif std_scope == "batch":
+        std = grouped.std(ddof=min(1, grouped.size - 1))
+    elif std_scope == "none":
+        return centered
+    else:
+        raise ValueError(f"std_scope must be 'group', 'batch' or 'none', got {std_scope!r}")
+    return centered / (std + eps)
+
+
+def rloo_turns(returns: jax.Array, episode_returns: jax.Array, group_size: int) -> jax.Array:
+    """RLOO with per-turn returns: `A_t = G_k(t) - (sum_group(G_0) - G_0) / (G - 1)`. -> `[B, N]`."""
+    if group_size < 2:
+        raise ValueError(f"rloo needs group_size >= 2, got {group_size}")
+    baseline = _turn_baseline(episode_returns, group_size, leave_one_out=True)
+    return jnp.asarray(returns, jnp.float32) - baseline[:, None]
+
+
+def reinforce_pp_turns(returns: jax.Array, episode_returns: jax.Array, mask: jax.Array, *,
+                       group_size: int | None = None, token_penalty: jax.Array | None = None,
+                       eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ with per-turn returns: `x_t = G_k(t)` (minus `mean_group(G_0)` when `group_size` is given),
+    minus the penalty still to come (`penalty_to_go`), whitened over the valid tokens. -> `[B, N]`, masked."""
+    mask = jnp.asarray(mask, jnp.float32)
+    x = jnp.asarray(returns, jnp.float32)
+    if group_size is not None:
+        x = x - _turn_baseline(episode_returns, group_size)[:, None]
+    if token_penalty is not None:
+        x = x - penalty_to_go(token_penalty, mask)
+    return _whiten(x, mask, axis=None, eps=eps) * mask
 
 
 # --------------------------------------------------------------------------- multi-reward, tokens
@@ -388,7 +535,12 @@ class AdvantageInputs:
     (float32), and, each None unless the run computes it: `entropy [B, N]` policy entropy, `values [B, N]` critic
     values, `greedy_rewards [B]` the reward of each prompt's greedy completion, `components [B, K]` the reward
     components with `component_weights` (K floats), `token_penalty [B, N]` a per-token penalty (the KL folded
-    into the reward, times the mask) that the estimator must apply itself.
+    into the reward, times the mask) that the estimator must apply itself, and for multi-turn episodes
+    `token_rewards [B, N]` (each turn's reward on its last model token) and `turn_ids [B, N]` int32 (the
+    model turn of each token, -1 on observation tokens and padding).
+
+    The mask may have holes (multi-turn observation tokens): an estimator must give on the model tokens what
+    it gives on the compacted rows (`compact`, `expand`).
     """
 
     rewards: jax.Array
@@ -400,6 +552,8 @@ class AdvantageInputs:
     components: jax.Array | None = None
     component_weights: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
     token_penalty: jax.Array | None = None
+    token_rewards: jax.Array | None = None
+    turn_ids: jax.Array | None = None
 
 
 def _require(value, estimator: str, what: str):
@@ -409,16 +563,37 @@ def _require(value, estimator: str, what: str):
 
 
 def _penalised(rewards: jax.Array, penalty: jax.Array | None) -> jax.Array:
-    """Each sequence's reward minus its masked penalty sum (rloo, remax, opo)."""
-    return rewards if penalty is None else rewards - penalty.sum(axis=1)
+    """Each sequence's reward minus its masked penalty sum (rloo, remax, opo); `[B]` or `[B, N]` rewards."""
+    if penalty is None:
+        return rewards
+    total = penalty.sum(axis=1)
+    return rewards - (total if rewards.ndim == 1 else total[:, None])
 
 
-@register("advantage", "grpo", per_component=True)
+def _discounted(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array] | None:
+    """`turn_returns` of the batch when `config.turn_credit` is "discounted", else None."""
+    if config.turn_credit != "discounted":
+        return None
+    what = "{} (rl.loss.advantage.turn_credit: discounted)"
+    token_rewards = _require(inputs.token_rewards, config.estimator, what.format("token_rewards"))
+    turn_ids = _require(inputs.turn_ids, config.estimator, what.format("turn_ids"))
+    return turn_returns(token_rewards, turn_ids, inputs.mask, config.turn_gamma)
+
+
+@register("advantage", "grpo", per_component=True, turn_credit=True)
 def _grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
-    """GRPO, or per-component normalisation (`per_component`); a token penalty's sum, minus its group mean,
-    is subtracted from the normalised advantage (dividing it by the rewards' std would cancel kl_coef: in a
-    group of one outcome that std is the penalty's own)."""
+    """GRPO, or per-component normalisation (`per_component`), or per-turn returns (`grpo_turns`); a token
+    penalty's sum, minus its group mean, is subtracted from the normalised advantage (dividing it by the
+    rewards' std would cancel kl_coef: in a group of one outcome that std is the penalty's own)."""
     g = inputs.group_size
+    turns = _discounted(inputs, config)
+    if turns is not None:
+        if config.per_component:
+            raise ValueError("rl.loss.advantage.turn_credit: discounted per-turn returns are not defined with "
+                             "per_component normalisation")
+        normalized = grpo_turns(*turns, g, std_scope=config.std_scope, eps=config.eps)
+        penalty = inputs.token_penalty
+        return normalized if penalty is None else normalized - _group_centered(penalty.sum(axis=1), g)[:, None]
     if config.per_component:
         components = jnp.asarray(_require(inputs.components, config.estimator, "components (per_component)"),
                                  jnp.float32)
@@ -430,15 +605,24 @@ def _grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Arr
     return normalized if penalty is None else normalized - _group_centered(penalty.sum(axis=1), g)
 
 
-@register("advantage", "reinforce_pp")
+@register("advantage", "reinforce_pp", turn_credit=True)
 def _reinforce_pp_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
     """REINFORCE++: each token's return loses the penalty still to come."""
+    turns = _discounted(inputs, config)
+    if turns is not None:
+        return reinforce_pp_turns(*turns, inputs.mask, group_size=inputs.group_size if config.group_baseline
+                                  else None, token_penalty=inputs.token_penalty, eps=config.eps)
     return reinforce_pp(inputs.rewards, group_size=inputs.group_size if config.group_baseline else None,
                         mask=inputs.mask, token_penalty=inputs.token_penalty, eps=config.eps)
 
 
-@register("advantage", "rloo")
+@register("advantage", "rloo", turn_credit=True)
 def _rloo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.Array:
+    turns = _discounted(inputs, config)
+    if turns is not None:
+        returns, episode_returns = turns
+        penalty = inputs.token_penalty
+        return rloo_turns(_penalised(returns, penalty), _penalised(episode_returns, penalty), inputs.group_size)
     return rloo(_penalised(inputs.rewards, inputs.token_penalty), inputs.group_size)
 
 
@@ -473,11 +657,17 @@ def _grpo_s_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> jax.A
                   beta2=config.entropy_weight, eps=config.eps)
 
 
-@register("advantage", "gae", needs=("critic",))
+@register("advantage", "gae", needs=("critic",), turn_credit=True)
 def _gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
-    """GAE on outcome token rewards (minus the token penalty), optionally whitened over the batch."""
+    """GAE on outcome token rewards, or with turn_credit "discounted" on the rollout's token rewards (each
+    turn's reward where it was given, discounted per token by `gamma`); minus the token penalty; optionally
+    whitened over the batch."""
     values = _require(inputs.values, config.estimator, "values from a critic (set rl.critic.model)")
-    token_rewards = outcome_token_rewards(inputs.rewards, inputs.mask)
+    if config.turn_credit == "discounted":
+        token_rewards = _require(inputs.token_rewards, config.estimator,
+                                 "token_rewards (rl.loss.advantage.turn_credit: discounted)") * inputs.mask
+    else:
+        token_rewards = outcome_token_rewards(inputs.rewards, inputs.mask)
     if inputs.token_penalty is not None:
         token_rewards = token_rewards - inputs.token_penalty
     lam_actor = config.lam_actor
@@ -488,6 +678,11 @@ def _gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[ja
     if config.whiten:
         advantages = _whiten(advantages, inputs.mask, axis=None, eps=config.eps) * inputs.mask
     return advantages, returns
+
+
+def _turn_credit_names() -> str:
+    return ", ".join(name for name in registry.names("advantage")
+                     if registry.resolve("advantage", name, "rl.loss.advantage.estimator").info.get("turn_credit"))
 
 
 def compute(
@@ -502,6 +697,8 @@ def compute(
     components: jax.Array | None = None,
     component_weights: Sequence[float] | None = None,
     token_penalty: jax.Array | None = None,
+    token_rewards: jax.Array | None = None,
+    turn_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Token-level advantages `[B, N]` (and value targets `[B, N]` for gae, else None) for a rollout.
 
@@ -516,6 +713,8 @@ def compute(
         for grpo and per_component, the normalised advantage loses its masked sum minus the group's mean
         sum (not divided by the rewards' std, which would cancel its scale); for rloo, remax and opo, each
         sequence's reward loses its masked sum; gtpo and grpo_s take none.
+      token_rewards, turn_ids: `[B, N]` per-turn rewards and model-turn ids of multi-turn episodes, used
+        with `config.turn_credit == "discounted"` (see the module docstring); ignored with "final".
 
     Returns:
       `(advantages [B, N], returns [B, N] | None)`, both times the mask; the entropy bonus
@@ -525,12 +724,17 @@ def compute(
     entry = registry.resolve("advantage", name, "rl.loss.advantage.estimator")
     if config.per_component and not entry.info.get("per_component"):
         raise ValueError(f"per_component normalisation is not defined for advantage estimator {name!r}")
+    if config.turn_credit != "final" and not entry.info.get("turn_credit"):
+        raise ValueError(f"rl.loss.advantage.turn_credit: {config.turn_credit!r} per-turn credit is not defined "
+                         f"for advantage estimator {name!r}; estimators that define it: {_turn_credit_names()}")
     mask = jnp.asarray(mask, jnp.float32)
     penalty = None if token_penalty is None else jnp.asarray(token_penalty, jnp.float32) * mask
     inputs = AdvantageInputs(jnp.asarray(rewards, jnp.float32), mask, group_size, entropy=entropy, values=values,
                              greedy_rewards=greedy_rewards, components=components,
                              component_weights=None if component_weights is None else tuple(component_weights),
-                             token_penalty=penalty)
+                             token_penalty=penalty,
+                             token_rewards=None if token_rewards is None else jnp.asarray(token_rewards, jnp.float32),
+                             turn_ids=None if turn_ids is None else jnp.asarray(turn_ids, jnp.int32))
     out = entry.fn(inputs=inputs, config=config)
     advantages, returns = out if isinstance(out, tuple) else (out, None)
     advantages = broadcast_to_tokens(jnp.asarray(advantages, jnp.float32), mask)

@@ -16,6 +16,10 @@ Modes (B sequences, N completion tokens, l = per-token loss, m = loss mask):
 
 Sequences whose mask is all zero (filtered) are not counted by the sequence means; the last mode divides
 by the number of rows and a constant length, so it does not depend on response lengths at all.
+
+The mask may have holes (a multi-turn episode's observation tokens sit between its model turns with mask
+0): every mode counts the masked-in tokens only, so a row with holes gives what its compacted row (model
+tokens only) gives (`tests/test_holes.py`).
 """
 
 from __future__ import annotations

@@ -29,16 +29,21 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
                   entropy: jax.Array | None = None, ref_logp: jax.Array | None = None,
                   sampler_logp: jax.Array | None = None, values: jax.Array | None = None,
                   greedy_rewards: jax.Array | None = None, components: jax.Array | None = None,
-                  component_weights: tuple[float, ...] | None = None) -> tuple[dict[str, jax.Array], dict]:
+                  component_weights: tuple[float, ...] | None = None, token_rewards: jax.Array | None = None,
+                  turn_ids: jax.Array | None = None) -> tuple[dict[str, jax.Array], dict]:
     """Advantages, masks and weights of a rollout batch.
 
     Args:
       rewards: `[B]` sequence rewards, groups of `group_size` contiguous.
-      completion_mask: `[B, N]` generated tokens.
+      completion_mask: `[B, N]` generated tokens: the model's tokens only (a multi-turn episode's observation
+        tokens are holes in it; every piece here gives on the model tokens what it gives on the compacted rows).
       old_logp, entropy, ref_logp, sampler_logp, values: `[B, N]`, from the sampling-time policy, the
         reference, the sampler and the critic; each needed only by the pieces that use it.
       truncated: `[B]` bool, completions that hit the length limit (for `mask_truncated`).
       greedy_rewards, components, component_weights: for the `remax` and per-component estimators.
+      token_rewards, turn_ids: `[B, N]` (float32, int32) each turn's reward on its last model token and the
+        model turn of each token (-1 on observation tokens and padding), for multi-turn episodes; used by
+        `rl.loss.advantage.turn_credit: discounted` (`jaxrl.advantages.turn_returns`).
       key: PRNG key (Clip-Cov's random selection).
 
     Returns:
@@ -64,7 +69,8 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
 
     advantages, returns = adv.compute(config.advantage, rewards, mask, group_size, entropy=entropy,
                                       values=values, greedy_rewards=greedy_rewards, components=components,
-                                      component_weights=component_weights, token_penalty=token_penalty)
+                                      component_weights=component_weights, token_penalty=token_penalty,
+                                      token_rewards=token_rewards, turn_ids=turn_ids)
     fields = {"advantages": advantages, "loss_mask": loss_mask}
     if returns is not None:
         fields["returns"] = returns

@@ -168,6 +168,26 @@ class LossConfig:
             raise registry.RegistryError(
                 f"{prefix}.advantage.per_component: normalising each reward component is defined for estimator "
                 f"'grpo', not {self.advantage.estimator!r}", field=f"{prefix}.advantage.per_component")
+        credit = self.advantage.turn_credit
+        if credit != "final" and not estimator.info.get("turn_credit"):
+            defined = [name for name in registry.names("advantage")
+                       if registry.resolve("advantage", name, f"{prefix}.advantage.estimator").info.get("turn_credit")]
+            raise registry.RegistryError(
+                f"{prefix}.advantage.turn_credit: {credit!r} per-turn credit is not defined for estimator "
+                f"{self.advantage.estimator!r}; it is for: {', '.join(defined)} (or set turn_credit: final)",
+                field=f"{prefix}.advantage.turn_credit")
+        if credit == "discounted" and self.advantage.per_component:
+            raise registry.RegistryError(
+                f"{prefix}.advantage.turn_credit: discounted per-turn returns are not defined with "
+                "per_component normalisation", field=f"{prefix}.advantage.turn_credit")
+        if credit == "discounted" and estimator.name == "gae" and self.advantage.turn_gamma != 1.0:
+            raise registry.RegistryError(
+                f"{prefix}.advantage.turn_gamma: gae discounts per token with {prefix}.advantage.gamma; "
+                f"turn_gamma must be 1.0, got {self.advantage.turn_gamma}", field=f"{prefix}.advantage.turn_gamma")
+        if credit == "final" and self.advantage.turn_gamma != 1.0:
+            raise registry.RegistryError(
+                f"{prefix}.advantage.turn_gamma: applies to turn_credit 'discounted' only; with 'final' it must "
+                f"be 1.0, got {self.advantage.turn_gamma}", field=f"{prefix}.advantage.turn_gamma")
         if self.kl_in_reward and self.kl_coef and "binary_rewards" in estimator.needs:
             raise registry.RegistryError(
                 f"{prefix}.kl_in_reward: estimator {self.advantage.estimator!r} splits each group by "

@@ -4,7 +4,9 @@ They depend on statistics of the whole batch (entropy quantiles, log-prob/advant
 are computed here from the sampling policy's log-probs and entropies (`old_logp`; equal to the current
 policy's on the first update of a batch) and travel with the batch as `[B, N]` arrays. That keeps every
 selection independent of how the batch is later split for gradient accumulation or data parallelism.
-All inputs are `[B, N]`; `mask` is the loss mask.
+All inputs are `[B, N]`; `mask` is the loss mask, which may have holes (multi-turn observation tokens): the
+selections rank the masked-in tokens of the whole batch, in row-major order on ties, so they select what
+they select on the compacted rows. Clip-Cov's random draw is per position of the `[B, N]` layout.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Importance ratios and policy-gradient objectives, per token.
 
-Every function takes `[B, N]` arrays (B sequences, N completion tokens) and returns a per-token loss
-(to be aggregated, see `aggregation.py`) with per-token metric arrays. Only `logp` (the current policy's
-log-probs) carries gradients; `old_logp` and advantages are treated as constants.
+Every function takes `[B, N]` arrays (B sequences, N completion tokens) and returns a per-token loss (to be
+aggregated, see `aggregation.py`) with per-token metric arrays. The mask may have holes (the observation
+tokens of a multi-turn episode): sequence means and sums are over the masked-in tokens only. Only `logp`
+(the current policy's log-probs) carries gradients; `old_logp` and advantages are treated as constants.
 
 Ratios (registered as kind `ratio`, see `jaxrl.registry`), each returning the log importance ratio per token:
 
