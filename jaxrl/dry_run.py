@@ -135,6 +135,23 @@ def dry_run(config) -> tuple[list[Check], bool]:
     if has_data:
         _check("reward", checks, reward)
 
+    def environment():
+        from jaxrl.envs.pool import EnvPool, ResetFailed
+
+        env = config.env
+        with EnvPool(dataclasses.replace(env, num_workers=1),
+                     startup_timeout_s=config.reward.startup_timeout_s) as pool:
+            (episode_state, first), = pool.reset([row_of(state["train"][0])])
+            stops = pool.stop_strings
+        if isinstance(episode_state, ResetFailed):
+            raise ValueError(f"the environment's reset of the first train row failed: {episode_state.error}")
+        return (f"{env.name} ({', '.join(env.tools) or 'no tools'}; {env.tool_format} calls): turns end at "
+                f"{', '.join(map(repr, stops)) or 'EOS only'}; at most {env.max_turns} turns, {env.max_tokens} "
+                f"episode tokens, {env.turn_tokens} per turn; first observation of the first train row: {first!r}")
+
+    if has_data and config.env.multi_turn:
+        _check("environment", checks, environment)
+
     def loss():
         losses.build_loss(config.rl.loss, with_critic=config.rl.critic.model != "none")
         pieces = {f: e.name for f, e in config.pieces().items() if f != "reward.function"}
