@@ -14,7 +14,7 @@ from jaxrl.data import arithmetic as A
 from jaxrl.loop import setup
 from jaxrl.tokenizer import encode_completion, encode_examples, train_tokenizer
 
-TOOLS = A.ArithmeticTaskConfig(min_steps=3, max_steps=8, tool_rate=1.0, tool_min_steps=7)
+TOOLS = A.ArithmeticTaskConfig(min_steps=3, max_steps=8, tool_min_steps=7)
 PROBLEM = A.Problem(23, (("+", 58), ("-", 19)))
 
 
@@ -43,7 +43,8 @@ def test_symbols_are_single_pieces_and_episodes_encode_piecewise(tokenizer):
                        "<tool_response>", "</tool_response>")
     for s in symbols:
         assert len(tokenizer.encode(s)) == 1, s
-    assert A.tokenizer_symbols(dataclasses.replace(TOOLS, tool_rate=0.0)) == ()
+    assert A.tokenizer_symbols(dataclasses.replace(TOOLS, tool_min_steps=0)) == ()
+    assert A.tokenizer_symbols(dataclasses.replace(TOOLS, tool_min_steps=0, tool_rate=0.1)) == symbols
     segments = A.tool_solution(PROBLEM)
     whole = PROBLEM.prompt + "".join(t for _, t in segments)
     pieces = tokenizer.encode(PROBLEM.prompt) + [i for _, t in segments for i in tokenizer.encode(t)]
@@ -89,21 +90,24 @@ def test_segments_must_end_with_a_model_segment_and_be_well_formed(tokenizer):
         encode_completion(tokenizer, ())
 
 
-def test_teacher_calls_the_calculator_on_long_chains_only():
+def test_teacher_calls_the_calculator_on_long_chains_and_by_chance_on_others():
     train, _ = A.make_splits(dataclasses.replace(TOOLS, num_train=3000, num_eval=16), 0)
     stream = A.teacher_examples(train, TOOLS, seed=3)
     by_prompt = {p.prompt: p for p in train}
     examples = [next(stream) for _ in range(3000)]
     calls = [isinstance(s, tuple) for _, s in examples]
     long = [len(by_prompt[p].steps) >= 7 for p, _ in examples]
-    assert calls == long  # tool_rate 1.0: exactly the chains of >= tool_min_steps steps
+    assert calls == long  # tool_rate 0: exactly the chains of >= tool_min_steps steps
     assert 0.25 < np.mean(calls) < 0.42  # 2 of the 6 lengths 3..8
     for prompt, s in examples[:200]:
         if isinstance(s, tuple):
             assert s == A.tool_solution(by_prompt[prompt])
     half = A.teacher_examples(train, dataclasses.replace(TOOLS, tool_rate=0.5), seed=3)
-    share = np.mean([isinstance(next(half)[1], tuple) for _ in range(4000)])
-    assert abs(share - 0.5 * np.mean(long)) < 0.03
+    drawn = [next(half) for _ in range(4000)]
+    is_long = np.array([len(by_prompt[p].steps) >= 7 for p, _ in drawn])
+    called = np.array([isinstance(s, tuple) for _, s in drawn])
+    assert called[is_long].all()
+    assert abs(called[~is_long].mean() - 0.5) < 0.04  # the others: by chance
 
 
 def test_without_tools_the_teacher_stream_is_unchanged():
@@ -122,7 +126,7 @@ def test_without_tools_the_teacher_stream_is_unchanged():
 
 def test_tool_fields_are_checked():
     with pytest.raises(configlib.ConfigError, match="tool_min_steps"):
-        configlib.load_config(Config, None, ["task.tool_rate=0.5", "task.max_steps=4", "task.tool_min_steps=5"])
+        configlib.load_config(Config, None, ["task.max_steps=4", "task.tool_min_steps=5"])
     with pytest.raises(configlib.ConfigError, match="tool_rate"):
         configlib.load_config(Config, None, ["task.tool_rate=1.5"])
 

@@ -8,8 +8,9 @@ borrow (31-5), it forgets the carry with probability `teacher_carry_error_rate` 
 wrong value. Supervised learning imitates that habit faithfully; only the verifiable reward tells the
 policy that carrying is right, so the accuracy gained after the warm start is the work of RL.
 
-The tool variant (`tool_rate > 0`, `configs/tools.yaml`): on a problem of at least `tool_min_steps` steps the
-teacher, with chance `tool_rate`, calls the calculator instead of working it out. Its demonstration is a
+The tool variant (`configs/tools.yaml`): the teacher calls the calculator instead of working the chain out on
+every chain of at least `tool_min_steps` steps, and on any other with chance `tool_rate` (so the warm-started
+policy calls it greedily on the long chains and, sampling, sometimes on the others: RL's exploration). Its demonstration is a
 multi-turn episode of segments (`tool_solution`): the model's call
 `<tool_call>{"name":"calculator","arguments":{"expression":"23+8-5+9"}}</tool_call>`, the environment's
 observation `<tool_response>35</tool_response>` (trained on as context only: a hole in the completion mask)
@@ -37,14 +38,19 @@ class ArithmeticTaskConfig:
     teacher_carry_error_rate: float = dataclasses.field(default=0.6, metadata={"ge": 0, "le": 1})
     num_eval: int = dataclasses.field(default=256, metadata={"gt": 0})  # held-out problems
     num_train: int = dataclasses.field(default=20_000, metadata={"gt": 0})  # distinct training problems
-    # the teacher calls the calculator (hermes format) with this chance on a problem of >= tool_min_steps steps
+    # the teacher calls the calculator (hermes format) on every chain of >= tool_min_steps steps (0: none) and
+    # on any other chain with chance tool_rate
+    tool_min_steps: int = dataclasses.field(default=0, metadata={"ge": 0})
     tool_rate: float = dataclasses.field(default=0.0, metadata={"ge": 0, "le": 1})
-    tool_min_steps: int = dataclasses.field(default=1, metadata={"ge": 1})
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tool_min_steps or self.tool_rate)
 
     def validate(self) -> None:
-        if self.tool_rate and self.tool_min_steps > self.max_steps:
-            raise ValueError(f"tool_min_steps ({self.tool_min_steps}) > max_steps ({self.max_steps}): with "
-                             f"tool_rate={self.tool_rate:g} the teacher would never call the calculator")
+        if self.tool_min_steps > self.max_steps:
+            raise ValueError(f"tool_min_steps ({self.tool_min_steps}) > max_steps ({self.max_steps}): no chain "
+                             "is that long; use 0 for none")
         if self.min_steps > self.max_steps:
             raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
         if self.max_start > self.max_value:
@@ -129,7 +135,7 @@ def tokenizer_symbols(config: ArithmeticTaskConfig) -> tuple[str, ...]:
     """Pieces the task's tokenizer must keep whole (`train_tokenizer(user_symbols=...)`): the tags and the
     fixed JSON around the expression of a calculator call, so that a call costs about as many tokens as the
     expression (none for the task without tools)."""
-    if not config.tool_rate:
+    if not config.uses_tools:
         return ()
     call = format_tool_call(ToolCall(CALCULATOR, {"expression": "@"}), TOOL_FORMAT)
     head, tail = call.split('"@"')
@@ -165,15 +171,17 @@ def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem],
 
 
 def calls_tool(problem: Problem, config: ArithmeticTaskConfig, rng: np.random.Generator) -> bool:
-    """Whether the teacher calls the calculator on `problem` (draws from `rng` only when it may)."""
-    return bool(config.tool_rate) and len(problem.steps) >= config.tool_min_steps and rng.random() < config.tool_rate
+    """Whether the teacher calls the calculator on `problem` (draws from `rng` only for a chance call)."""
+    if config.tool_min_steps and len(problem.steps) >= config.tool_min_steps:
+        return True
+    return bool(config.tool_rate) and rng.random() < config.tool_rate
 
 
 def teacher_examples(
     problems: list[Problem], config: ArithmeticTaskConfig, seed: int
 ) -> Iterator[tuple[str, str | tuple[tuple[str, str], ...]]]:
     """Endless `(prompt, sloppy-teacher solution)` pairs for the warm start, deterministic for `seed`: the
-    solution is a worked-solution string, or with `config.tool_rate` sometimes a calculator episode
+    solution is a worked-solution string, or with `config.uses_tools` sometimes a calculator episode
     (`tool_solution`'s segments)."""
     rng = np.random.default_rng([seed, 2])
     while True:
@@ -185,9 +193,9 @@ def teacher_examples(
 
 
 def tokenizer_corpus(problems: list[Problem], config: ArithmeticTaskConfig | None = None) -> list[str]:
-    """Texts covering every symbol the task uses (prompts and solutions, and with `config.tool_rate` the
+    """Texts covering every symbol the task uses (prompts and solutions, and with `config.uses_tools` the
     calculator episodes' texts)."""
     texts = [p.prompt for p in problems] + [solution(p) for p in problems]
-    if config is not None and config.tool_rate:
+    if config is not None and config.uses_tools:
         texts += ["".join(text for _, text in tool_solution(p)) for p in problems]
     return texts
