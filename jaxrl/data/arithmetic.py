@@ -10,8 +10,8 @@ policy that carrying is right, so the accuracy gained after the warm start is th
 
 The tool variant (`configs/tools.yaml`): the teacher calls the calculator instead of working the chain out on
 every chain of at least `tool_min_steps` steps, and on any other with chance `tool_rate` (so the warm-started
-policy calls it greedily on the long chains and, sampling, sometimes on the others: RL's exploration). Its demonstration is a
-multi-turn episode of segments (`tool_solution`): the model's call
+policy calls it greedily on the long chains and, sampling, sometimes on the others: RL's exploration). Such
+a demonstration is a multi-turn episode of segments (`tool_solution`): the model's call
 `<tool_call>{"name":"calculator","arguments":{"expression":"23+8-5+9"}}</tool_call>`, the environment's
 observation `<tool_response>35</tool_response>` (trained on as context only: a hole in the completion mask)
 and the model's answer `#### 35`. Chains long enough that the sloppy head solution is rarely right leave RL
