@@ -370,8 +370,8 @@ class SentencePieceTokenizer(BaseTokenizer):
 Tokenizer = SentencePieceTokenizer  # the historical name
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Iterable[str] = ()
-                    ) -> SentencePieceTokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Iterable[str] = (),
+                    user_symbols: Sequence[str] = ()) -> SentencePieceTokenizer:
     """Train a BPE sentencepiece model on `texts` (deterministic; digits always split one per token).
 
     Pieces 0-3 are `<pad>`, `<unk>`, `<s>` (BOS), `</s>` (EOS). Text is not normalised, so every text made of
@@ -381,7 +381,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Itera
     `1⁄2`, which alters prompts and leaves a policy no way to write a newline). Every character of `texts`
     is a piece (`character_coverage=1.0`); a character absent from them encodes as `<unk>`. `stop_tokens`
     (pieces of the trained vocabulary) end a completion besides EOS.
+
+    `user_symbols` (a tool task's tags such as `<tool_call>`): strings that are always one piece each, wherever
+    they occur. With them the text gets no dummy "▁" prefix, so that the pieces of an episode encoded apart
+    (prompt, model turns, observations, each starting or ending at such a symbol) give the same tokens as the
+    whole text: what a multi-turn sampler appends is what a demonstration trains on.
     """
+    symbols = list(dict.fromkeys(user_symbols))
+    for symbol in symbols:
+        if not symbol or any(c.isspace() for c in symbol):
+            raise ValueError(f"user symbol {symbol!r}: a piece must be non-empty and hold no whitespace")
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=proto, vocab_size=vocab_size, model_type="bpe",
@@ -389,6 +398,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, stop_tokens: Itera
         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         max_sentence_length=1 << 30,  # the most it takes; by default, texts over 4192 bytes were skipped silently
+        **({"user_defined_symbols": symbols, "add_dummy_prefix": False} if symbols else {}),
     )
     return SentencePieceTokenizer(proto.getvalue(), stop_tokens=stop_tokens)
 
@@ -716,12 +726,45 @@ def left_pad(rows: Sequence[Sequence[int]], length: int, pad_id: int,
     return tokens, valid
 
 
+Segment = tuple[str, str]  # ("model" | "observation", text): a piece of a multi-turn completion
+SEGMENT_KINDS = ("model", "observation")
+
+
+def encode_completion(tokenizer: BaseTokenizer, completion: str | Sequence[Segment]) -> tuple[list[int], list[bool]]:
+    """Token ids of one completion with EOS, and which of them are trained (`True`: model tokens).
+
+    `completion` is a text (all model tokens), or an episode's segments `[("model", text), ("observation",
+    text), ...]`, each encoded on its own (as a multi-turn sampler appends them): observation tokens are
+    holes (`False`), and EOS follows the last segment, which must be a model segment.
+    """
+    if isinstance(completion, str):
+        ids = [*tokenizer.encode(completion), tokenizer.eos_id]
+        return ids, [True] * len(ids)
+    if not completion:
+        raise ValueError("a completion of segments needs at least one segment")
+    ids, trained = [], []
+    for i, segment in enumerate(completion):
+        if not (isinstance(segment, (tuple, list)) and len(segment) == 2 and segment[0] in SEGMENT_KINDS
+                and isinstance(segment[1], str)):
+            raise ValueError(f"segment {i} must be (kind, text) with kind in {SEGMENT_KINDS}, got {segment!r:.80}")
+        kind, text = segment
+        piece = tokenizer.encode(text)
+        ids += piece
+        trained += [kind == "model"] * len(piece)
+    if completion[-1][0] != "model":
+        raise ValueError(f"the last segment is {completion[-1][0]!r}: a completion ends with a model segment "
+                         "(EOS follows it)")
+    return [*ids, tokenizer.eos_id], [*trained, True]
+
+
 def encode_examples(
-    tokenizer: BaseTokenizer, prompts: Sequence[str], completions: Sequence[str], prompt_length: int,
-    completion_length: int | None = None, round_to: int = 8, *, templated: bool = False,
+    tokenizer: BaseTokenizer, prompts: Sequence[str], completions: Sequence[str | Sequence[Segment]],
+    prompt_length: int, completion_length: int | None = None, round_to: int = 8, *, templated: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Prompt (left-padded, as `encode_prompts`) + completion + EOS (right-padded), the layout the sampler
-    produces.
+    produces. A completion is a text, or a multi-turn episode's segments (`encode_completion`): its
+    observation tokens are in `tokens` but not in `completion_mask`, so supervised learning never trains the
+    model to predict a tool's output.
 
     `completion_length=None` pads to the longest completion (with EOS) rounded up to `round_to`, so that a
     stream of batches compiles a few shapes and wastes little compute on padding.
@@ -732,15 +775,16 @@ def encode_examples(
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions: each prompt needs one")
     prompt_tokens, prompt_valid = encode_prompts(tokenizer, prompts, prompt_length, templated=templated)
-    encoded = [[*tokenizer.encode(text), tokenizer.eos_id] for text in completions]
+    encoded = [encode_completion(tokenizer, completion) for completion in completions]
     if completion_length is None:
-        completion_length = round_up(max(map(len, encoded)), round_to)
+        completion_length = round_up(max(len(ids) for ids, _ in encoded), round_to)
     completion = np.full((len(prompts), completion_length), tokenizer.pad_id, np.int32)
     mask = np.zeros((len(prompts), completion_length), bool)
-    for row, (text, ids) in enumerate(zip(completions, encoded)):
+    for row, (text, (ids, trained)) in enumerate(zip(completions, encoded)):
         if len(ids) > completion_length:
+            shown = text if isinstance(text, str) else "".join(t for _, t in text)
             raise ValueError(f"completion {row} has {len(ids)} tokens (with EOS), more than "
-                             f"{completion_length}: {text[:80]!r}")
+                             f"{completion_length}: {shown[:80]!r}")
         completion[row, :len(ids)] = ids
-        mask[row, :len(ids)] = True
+        mask[row, :len(ids)] = trained
     return np.concatenate([prompt_tokens, completion], axis=1), prompt_valid, mask

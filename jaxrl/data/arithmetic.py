@@ -7,6 +7,15 @@ The warm-start demonstrations come from a *sloppy teacher*: at a step whose ones
 borrow (31-5), it forgets the carry with probability `teacher_carry_error_rate` and continues from its
 wrong value. Supervised learning imitates that habit faithfully; only the verifiable reward tells the
 policy that carrying is right, so the accuracy gained after the warm start is the work of RL.
+
+The tool variant (`configs/tools.yaml`): the teacher calls the calculator instead of working the chain out on
+every chain of at least `tool_min_steps` steps, and on any other with chance `tool_rate` (so the warm-started
+policy calls it greedily on the long chains and, sampling, sometimes on the others: RL's exploration). Such
+a demonstration is a multi-turn episode of segments (`tool_solution`): the model's call
+`<tool_call>{"name":"calculator","arguments":{"expression":"23+8-5+9"}}</tool_call>`, the environment's
+observation `<tool_response>35</tool_response>` (trained on as context only: a hole in the completion mask)
+and the model's answer `#### 35`. Chains long enough that the sloppy head solution is rarely right leave RL
+an easy way up: call the calculator where it pays.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
+
+from jaxrl.envs.tool_calls import ToolCall, format_tool_call, plain_observation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +38,19 @@ class ArithmeticTaskConfig:
     teacher_carry_error_rate: float = dataclasses.field(default=0.6, metadata={"ge": 0, "le": 1})
     num_eval: int = dataclasses.field(default=256, metadata={"gt": 0})  # held-out problems
     num_train: int = dataclasses.field(default=20_000, metadata={"gt": 0})  # distinct training problems
+    # the teacher calls the calculator (hermes format) on every chain of >= tool_min_steps steps (0: none) and
+    # on any other chain with chance tool_rate
+    tool_min_steps: int = dataclasses.field(default=0, metadata={"ge": 0})
+    tool_rate: float = dataclasses.field(default=0.0, metadata={"ge": 0, "le": 1})
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tool_min_steps or self.tool_rate)
 
     def validate(self) -> None:
+        if self.tool_min_steps > self.max_steps:
+            raise ValueError(f"tool_min_steps ({self.tool_min_steps}) > max_steps ({self.max_steps}): no chain "
+                             "is that long; use 0 for none")
         if self.min_steps > self.max_steps:
             raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
         if self.max_start > self.max_value:
@@ -91,6 +113,38 @@ def solution(problem: Problem, carry_error_rate: float = 0.0, rng: np.random.Gen
     return ",".join(parts) + f" #### {total}"
 
 
+MODEL, OBSERVATION = "model", "observation"  # the kinds of an episode's segments (`tokenizer.encode_examples`)
+TOOL_FORMAT = "hermes"
+CALCULATOR = "calculator"
+
+
+def expression(problem: Problem) -> str:
+    """The problem's expression, as the calculator reads it: the prompt without its `=`."""
+    return problem.prompt[:-1]
+
+
+def tool_solution(problem: Problem) -> tuple[tuple[str, str], ...]:
+    """The calculator episode: `((MODEL, call), (OBSERVATION, "<tool_response>N</tool_response>"), (MODEL,
+    "#### N"))`, the exact texts of `jaxrl.envs.tool_calls` (hermes format, no chat template)."""
+    call = format_tool_call(ToolCall(CALCULATOR, {"expression": expression(problem)}), TOOL_FORMAT)
+    return ((MODEL, call), (OBSERVATION, plain_observation([str(problem.answer)], TOOL_FORMAT)),
+            (MODEL, f"#### {problem.answer}"))
+
+
+def tokenizer_symbols(config: ArithmeticTaskConfig) -> tuple[str, ...]:
+    """Pieces the task's tokenizer must keep whole (`train_tokenizer(user_symbols=...)`): the tags and the
+    fixed JSON around the expression of a calculator call, so that a call costs about as many tokens as the
+    expression (none for the task without tools)."""
+    if not config.uses_tools:
+        return ()
+    call = format_tool_call(ToolCall(CALCULATOR, {"expression": "@"}), TOOL_FORMAT)
+    head, tail = call.split('"@"')
+    head, tail = head + '"', '"' + tail  # '<tool_call>{"name":...:"', '"}}</tool_call>'
+    tag = "<tool_call>"
+    return (tag, head.removeprefix(tag), tail.removesuffix("</tool_call>"), "</tool_call>", "<tool_response>",
+            "</tool_response>")
+
+
 def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
     """Disjoint `(train, held_out)` problem lists (no held-out prompt appears in train), deterministic."""
     rng = np.random.default_rng([seed, 1])
@@ -116,16 +170,32 @@ def make_splits(config: ArithmeticTaskConfig, seed: int) -> tuple[list[Problem],
     return list(train.values()), list(held_out.values())
 
 
+def calls_tool(problem: Problem, config: ArithmeticTaskConfig, rng: np.random.Generator) -> bool:
+    """Whether the teacher calls the calculator on `problem` (draws from `rng` only for a chance call)."""
+    if config.tool_min_steps and len(problem.steps) >= config.tool_min_steps:
+        return True
+    return bool(config.tool_rate) and rng.random() < config.tool_rate
+
+
 def teacher_examples(
     problems: list[Problem], config: ArithmeticTaskConfig, seed: int
-) -> Iterator[tuple[str, str]]:
-    """Endless `(prompt, sloppy-teacher solution)` pairs for the warm start, deterministic for `seed`."""
+) -> Iterator[tuple[str, str | tuple[tuple[str, str], ...]]]:
+    """Endless `(prompt, sloppy-teacher solution)` pairs for the warm start, deterministic for `seed`: the
+    solution is a worked-solution string, or with `config.uses_tools` sometimes a calculator episode
+    (`tool_solution`'s segments)."""
     rng = np.random.default_rng([seed, 2])
     while True:
         p = problems[int(rng.integers(len(problems)))]
-        yield p.prompt, solution(p, config.teacher_carry_error_rate, rng)
+        if calls_tool(p, config, rng):
+            yield p.prompt, tool_solution(p)
+        else:
+            yield p.prompt, solution(p, config.teacher_carry_error_rate, rng)
 
 
-def tokenizer_corpus(problems: list[Problem]) -> list[str]:
-    """Texts covering every symbol the task uses (prompts and solutions)."""
-    return [p.prompt for p in problems] + [solution(p) for p in problems]
+def tokenizer_corpus(problems: list[Problem], config: ArithmeticTaskConfig | None = None) -> list[str]:
+    """Texts covering every symbol the task uses (prompts and solutions, and with `config.uses_tools` the
+    calculator episodes' texts)."""
+    texts = [p.prompt for p in problems] + [solution(p) for p in problems]
+    if config is not None and config.uses_tools:
+        texts += ["".join(text for _, text in tool_solution(p)) for p in problems]
+    return texts

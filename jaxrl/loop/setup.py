@@ -51,7 +51,7 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
     data = config.data
     if data.train_file is None:
         train, held_out = arithmetic.make_splits(config.task, config.seed)
-        return train, held_out, arithmetic.tokenizer_corpus(train[:4000]), {}
+        return train, held_out, arithmetic.tokenizer_corpus(train[:4000], config.task), {}
     loaded, counts = {}, {}
     for name in ("train_file", "eval_file"):
         path = os.path.expanduser(getattr(data, name))
@@ -66,6 +66,12 @@ def load_task(config: Config) -> tuple[list, list, list[str], dict[str, int]]:
         demonstration_pairs(train)  # a warm start from the file needs solutions in it (NoDemonstrations)
     corpus = [r.prompt for r in train] + [r.reference for r in train] + [r.reference for r in loaded["eval_file"]]
     return train, loaded["eval_file"], corpus, counts
+
+
+def tokenizer_symbols(config: Config) -> tuple[str, ...]:
+    """Strings the trained tokenizer keeps whole (`train_tokenizer(user_symbols=...)`): the tool tags and call
+    JSON of the built-in task with `task.tool_rate > 0` (`arithmetic.tokenizer_symbols`), else none."""
+    return arithmetic.tokenizer_symbols(config.task) if config.data.train_file is None else ()
 
 
 def check_batch_sizes(config: Config, mesh_shape: dict[str, int], data_shards: int = 1) -> None:
@@ -105,7 +111,8 @@ def policy_and_tokenizer(config: Config, corpus: list[str], layout: models.Layou
             tokenizer = load_tokenizer(saved, stop_tokens=stop_tokens)
         else:
             try:
-                tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size, stop_tokens=stop_tokens)
+                tokenizer = train_tokenizer(corpus, config.tokenizer.vocab_size, stop_tokens=stop_tokens,
+                                            user_symbols=tokenizer_symbols(config))
             except RuntimeError as e:  # sentencepiece's trainer: "Vocabulary size is smaller than required_chars"
                 raise TokenizerError(f"tokenizer.vocab_size={config.tokenizer.vocab_size}: sentencepiece cannot "
                                      f"train on the task's text: {str(e).splitlines()[-1]}") from None

@@ -18,7 +18,9 @@ from jaxrl.train import TrainState, init_train_state, make_sft_step
 def warm_start(policy, config: Config, generate: Generator, train_problems, writer: MetricsWriter) -> TrainState:
     """Supervised steps on demonstrations: the data file's solutions (`data.solution_field`, or the last
     assistant message of a chat row: `jaxrl.data.demonstrations`), or for the built-in task a sloppy teacher's
-    (`jaxrl.data.arithmetic`).
+    (`jaxrl.data.arithmetic`; with `task.tool_rate`, some are calculator episodes). A solution is a text or a
+    multi-turn episode's segments `(("model", call), ("observation", result), ("model", answer))`: observation
+    tokens are context, not targets (`jaxrl.tokenizer.encode_completion`).
 
     The steps donate their state, so `policy`'s arrays are consumed: use the returned state's policy.
     """
