@@ -2,11 +2,9 @@
 tokenizer's tool symbols, the teacher's tool share, and the recipe file."""
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
-import yaml
 
 from jaxrl import configlib
 from jaxrl.config import Config
@@ -132,12 +130,7 @@ def test_tool_fields_are_checked():
 
 
 def _recipe(tmp_path, *overrides) -> Config:
-    raw = yaml.safe_load(open("configs/tools.yaml"))
-    if "env" not in {f.name for f in dataclasses.fields(Config)}:  # before the env section is wired
-        raw.pop("env")
-    path = tmp_path / "tools.yaml"
-    path.write_text(json.dumps(raw))
-    return configlib.load_config(Config, path, list(overrides))
+    return configlib.load_config(Config, "configs/tools.yaml", list(overrides))
 
 
 def test_recipe_tokenizer_fits_the_model_and_keeps_the_symbols(tmp_path):
@@ -149,9 +142,8 @@ def test_recipe_tokenizer_fits_the_model_and_keeps_the_symbols(tmp_path):
     longest = max(len(encode_completion(tokenizer, A.solution(p))[0]) for p in train + held_out)
     episode = max(len(encode_completion(tokenizer, A.tool_solution(p))[0]) for p in train + held_out)
     assert episode < longest  # a calculator episode is shorter than a worked solution
-    if hasattr(config, "env"):  # the episode's token limits hold the longest worked solution and a call
-        assert longest <= config.env.turn_tokens <= config.env.max_tokens
-        assert max(len(tokenizer.encode(A.tool_solution(p)[1][1])) for p in held_out) <= config.env.observation_tokens
-    assert longest <= config.rl.sampling.max_new_tokens
+    # the episode's token limits hold the longest worked solution and a call
+    assert longest <= config.env.turn_tokens <= config.env.max_tokens
+    assert max(len(tokenizer.encode(A.tool_solution(p)[1][1])) for p in held_out) <= config.env.observation_tokens
     with_file = dataclasses.replace(config, data=dataclasses.replace(config.data, train_file="x.jsonl"))
     assert setup.tokenizer_symbols(with_file) == ()
