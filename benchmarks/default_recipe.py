@@ -41,7 +41,8 @@ def main() -> None:
         if config.env.multi_turn:  # the held-out evaluations before (step 0) and after RL (the final record)
             evals = [r for r in read_metrics(os.path.join(config.output_dir, "metrics.jsonl"))
                      if "eval/tool_use_rate" in r]
-            row["tool_use_before"], row["tool_use_after"] = evals[0]["eval/tool_use_rate"], evals[-1]["eval/tool_use_rate"]
+            row["tool_use_before"] = evals[0]["eval/tool_use_rate"]
+            row["tool_use_after"] = evals[-1]["eval/tool_use_rate"]
         print(json.dumps(row), flush=True)
         rows.append(row)
     tools = all("tool_use_before" in r for r in rows)

@@ -50,3 +50,26 @@ def test_a_hostile_environment_ends_episodes_not_the_run(tmp_path):
                 assert len(turn["text"]) <= 64  # 1 MB cut to env.observation_tokens tokens
     total_errors = sum(r["episode/env_errors_mean"] for r in steps)
     assert total_errors > 0
+
+
+class _TemplateOnly:
+    """The part of a tokenizer that rendering uses: a ChatML template that drops tool messages."""
+
+    chat_template = ("{%- for message in messages if message.role != 'tool' %}{{- '<|im_start|>' + message.role + "
+                     "'\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                     "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    special_tokens: dict = {}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        from jaxrl.tokenizer import BaseTokenizer
+        return BaseTokenizer.apply_chat_template(self, messages, add_generation_prompt, **kwargs)
+
+
+def test_a_chat_template_without_a_tool_role_is_refused_for_a_tool_recipe(tmp_path):
+    from jaxrl.loop import setup
+    from jaxrl.tokenizer import ChatTemplateError
+
+    config = load_config(Config, None, ["env.name=tools", "env.tools=[calculator]", "data.chat_template=true",
+                                        "pretrained.path=unused"])
+    with pytest.raises(ChatTemplateError, match="data.chat_template: .*tool"):
+        setup.make_generator([], _TemplateOnly(), None, config)
