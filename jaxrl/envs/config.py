@@ -32,10 +32,13 @@ class EnvConfig:
     # The environment (registry kind `environment`: `tools`, or those of modules under `imports:`; or
     # module:Class); None: single-turn.
     name: str | None = None
-    tools: tuple[str, ...] = ()  # tools of the `tools` environment (registry kind `tool`: calculator, python, retrieval)
+    # tools of the `tools` environment (registry kind `tool`: calculator, python, retrieval)
+    tools: tuple[str, ...] = ()
     tool_format: Literal["hermes", "fenced"] = "hermes"  # how the model writes a call (jaxrl.envs.tool_calls)
     max_turns: int = _field(4, gt=0)  # model turns per episode
-    max_tokens: int = _field(512, gt=0)  # tokens of an episode after the prompt: model and observation tokens
+    # tokens of an episode after the prompt, model and observation tokens (in a multi-turn run this is the
+    # budget; rl.sampling.max_new_tokens is not used)
+    max_tokens: int = _field(512, gt=0)
     turn_tokens: int = _field(256, gt=0)  # tokens of one model turn at most
     observation_tokens: int = _field(256, gt=0)  # an observation is cut to this many tokens
     max_tool_s: float = _field(10.0, gt=0)  # seconds of tool time per episode; later calls are errors

@@ -180,8 +180,8 @@ except BaseException as _e:
 def python(arguments: dict, context: ToolContext) -> str:
     """`{"code": "print(2+3)"}` -> "5": runs the cell in the code sandbox (`jaxrl.rewards.sandbox`), after the
     episode's earlier cells (re-run with their output discarded), so names defined earlier are defined; a
-    final expression's value is printed. Output (stdout, then stderr, trailing newlines dropped) is cut to `MAX_RESULT_CHARS` with a
-    note; the sandbox's wall-time limit is a `ToolTimeout`."""
+    final expression's value is printed. Output (stdout, then stderr, trailing newlines dropped) is cut to
+    `MAX_RESULT_CHARS` with a note; the sandbox's wall-time limit is a `ToolTimeout`."""
     from jaxrl.rewards.sandbox import SandboxLimits, run_program
 
     code = _argument(arguments, "code", MAX_CODE_CHARS)

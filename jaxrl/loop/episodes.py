@@ -210,11 +210,13 @@ class EpisodeGenerator:
                 records[b].turns.append(("model", tokenizer.decode(ids[b, before[b]:after[b]])))
                 records[b].spans.append((int(before[b]), int(after[b])))
                 if why[b] != multiturn.TURN_STOPPED:
-                    done[b], records[b].finish = True, MAX_TOKENS if why[b] == multiturn.EPISODE_FULL else TURN_TOKENS
+                    full = why[b] == multiturn.EPISODE_FULL
+                    done[b], records[b].finish = True, MAX_TOKENS if full else TURN_TOKENS
                     records[b].turn_rewards.append({})
                 else:
                     stepping.append(b)
-            observations = self._step(stepping, states, records, done, after, last_turn=turn == self.env.max_turns - 1)
+            observations = self._step(stepping, states, records, done, after,
+                                      last_turn=turn == self.env.max_turns - 1)
             width = process_max(max((len(o) for o in observations.values()), default=0))
             if width:
                 width = round_up(width, OBSERVATION_BUCKET)
