@@ -892,7 +892,7 @@ import reward_fns
 from jaxrl.rewards.pool import RewardPool
 pool = RewardPool(reward_fns.chaos, num_workers=1, timeout_s=60.0)
 pool.score(["a"], ["a"])
-print(pool._workers[0].process.pid, flush=True)
+print(pool._pool._workers[0].process.pid, flush=True)
 pool.score(["hang"], [""])
 """
 
@@ -930,9 +930,9 @@ def test_workers_survive_the_thread_that_started_them():
         scorer = threading.Thread(target=lambda: results.append(pool.score(["1"], ["1"])))
         scorer.start()
         scorer.join()
-        pid = pool._workers[0].process.pid
+        pid = pool._pool._workers[0].process.pid
         time.sleep(0.2)
         result = pool.score(["1", "2"], ["1", "3"])
-        assert pool._workers[0].process.pid == pid, "the worker died with the thread that started it"
+        assert pool._pool._workers[0].process.pid == pid, "the worker died with the thread that started it"
     assert results[0].rewards.tolist() == [1.0] and result.rewards.tolist() == [1.0, 0.0]
     assert (result.errors, result.timeouts) == (0, 0)

@@ -120,8 +120,8 @@ def test_remax_baseline_is_the_greedy_completion_shaped_like_the_samples(tmp_pat
     calls = []
     real = rollout.shaped_rewards
 
-    def spy(scored, texts, lengths, config):
-        out = real(scored, texts, lengths, config)
+    def spy(scored, generation, config):
+        out = real(scored, generation, config)
         calls.append((np.asarray(scored.rewards), out.total))
         return out
 
