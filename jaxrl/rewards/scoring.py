@@ -10,7 +10,7 @@ length) are computed here on the host from the texts and token counts, and `shap
 
     with RewardScorer.from_config(config) as scorer:              # pools start on the first score()
         scored = scorer.score(texts, references, prompts=prompts, rows=rows)
-        composed = shape(scored.components, texts, lengths, config.reward, config.rl.sampling.max_new_tokens)
+        composed = shape(scored.components, texts, lengths, config.reward, config.completion_tokens)
         record.update(scored.metrics()); record.update(composed.metrics())   # reward/correct, reward/<name>
         advantages_from(composed.total)                           # [B] float32
 
