@@ -48,7 +48,7 @@ class Episodes(NamedTuple):
     policy_logp: `[B, T]` float32 under the unmodified policy (`SamplingConfig.policy_logp`), else a scalar 0.
     """
 
-    cache: GroupKVCache
+    cache: models.GroupKVCache
     prompt_valid: jax.Array
     logits: jax.Array
     length: jax.Array
