@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl import models, multiturn, sampling
-from jaxrl.envs.config import EnvConfig
+from jaxrl.envs import EnvConfig, EnvStep
 from jaxrl.loop import episodes as episodes_lib
 from jaxrl.loop.generate import Generator
 from jaxrl.sharding import make_mesh
@@ -111,18 +111,6 @@ def test_waiting_rows_are_left_exactly_as_they_are(policy):
 # --------------------------------------------------------------------------- the host driver
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    observation: object
-    rewards: dict = dataclasses.field(default_factory=dict)
-    state: object = None
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    tool_s: float = 0.0
-    error: str | None = None
-
-
 class _CountingPool:
     """An in-process stand-in for `EnvPool`: every turn but the `answer_at`-th gets the observation "=7;",
     and a reward part; the state counts the turns."""
@@ -137,7 +125,7 @@ class _CountingPool:
 
     def step(self, states, turns):
         self.steps.append(list(turns))
-        return [_Step(None if s + 1 >= self.answer_at else "=7;", {"turn": 1.0}, s + 1, tool_calls=1)
+        return [EnvStep(None if s + 1 >= self.answer_at else "=7;", {"turn": 1.0}, s + 1, tool_calls=1)
                 for s in states]
 
 

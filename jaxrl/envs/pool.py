@@ -22,7 +22,7 @@ from typing import Any
 
 from jaxrl import registry
 from jaxrl.envs.base import EnvStep, MAX_ERROR_CHARS, MAX_OBSERVATION_CHARS, checked_step, clean_text
-from jaxrl.rewards.pool import Outcome, WorkerPool, encode_job
+from jaxrl.rewards.pool import Outcome, PoolOwner, WorkerPool, encode_job
 
 __all__ = ["EnvPool", "ResetFailed"]
 
@@ -74,7 +74,7 @@ def _failure(what: str, outcome: Outcome, config) -> tuple[str, bool]:
     return f"{what} did not finish ({outcome.kind})", outcome.kind.endswith("timeout")
 
 
-class EnvPool:
+class EnvPool(PoolOwner):
     """Runs the environment `config.name` (`EnvConfig`) in `config.num_workers` worker processes.
 
     Attributes (read from one instance built on the host, before any worker starts):
@@ -102,17 +102,6 @@ class EnvPool:
                                       "is the environment importable in a fresh process, and is the main script "
                                       "guarded by `if __name__ == '__main__':`?"))
         self._closed = False
-
-    def __enter__(self) -> EnvPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the workers. Idempotent; the pool cannot be used afterwards."""
-        self._closed = True
-        self._pool.close()
 
     def _run(self, jobs: list[dict]) -> list[Outcome]:
         if self._closed:

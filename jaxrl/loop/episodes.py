@@ -30,8 +30,8 @@ from jaxrl.envs.render import observation_text
 from jaxrl.loop.generate import Generation, Generator
 from jaxrl.loop.rollout import row_of
 from jaxrl.sampling import FINISH_EOS, FINISH_LENGTH, Rollout, SamplingConfig, stop_sequences_for
-from jaxrl.sharding import data_shard, from_process_local, process_local, process_max
-from jaxrl.tokenizer import left_pad, round_up
+from jaxrl.sharding import from_process_local, process_local, process_max
+from jaxrl.tokenizer import round_up
 
 OBSERVATION_BUCKET = 8  # observation widths are rounded up to a multiple: few compiled append programs
 
@@ -180,16 +180,9 @@ class EpisodeGenerator:
         tokenizer, mesh = self.generate.tokenizer, self.generate.mesh
         starts = self.pool.reset([row_of(p) for p in prompts])
         texts = [self.generate.render(p) + (first or "") for p, (_, first) in zip(prompts, starts)]
-        rows = [tokenizer.encode_prompt(t, templated=self.generate.chat_template) for t in texts]
-        longest = process_max(max(map(len, rows)))
-        length = next((n for n in self.generate.prompt_lengths if n >= longest), round_up(longest, 8))
-        tokens, valid = left_pad(rows, length, tokenizer.pad_id, texts)
-        parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-        if (len(prompts) * data_shard(mesh)[1]) % parallel:  # prompts do not split over the mesh: share
-            tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
-        states = [copy.deepcopy(state) for state, _ in starts for _ in range(group_size)]
+        states = [copy.deepcopy(state) for state, _ in starts for _ in range(group_size)]  # row p * G + g
+        global_tokens, global_valid, group_size = self.generate.prompt_batch(texts, group_size)
         batch = len(states)
-        global_tokens, global_valid = from_process_local((tokens, valid), mesh)
         episodes = multiturn.start(policy, global_tokens, global_valid, group_size=group_size,
                                    capacity=self.env.max_tokens, spare=self.spare, pad_id=tokenizer.pad_id,
                                    int8=config.kv_cache_dtype == "int8", policy_logp=config.policy_logp)

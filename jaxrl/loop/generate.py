@@ -67,6 +67,21 @@ class Generator:
     def prompt_tokens(self, item) -> list[int]:
         return encode_prompt(self.tokenizer, self.render(item), templated=self.chat_template)
 
+    def prompt_batch(self, texts: Sequence[str], group_size: int) -> tuple[jax.Array, jax.Array, int]:
+        """Rendered prompt `texts` (this process's) encoded and left-padded to the shortest bucket of
+        `prompt_lengths` that fits the longest on any process (rounded up to a multiple of 8 beyond them), as
+        global arrays `(tokens [P, L], valid [P, L])`, and the group size to sample with: prompts that do not
+        split over the mesh's data axes are repeated `group_size` times and sampled with a group of 1."""
+        rows = [encode_prompt(self.tokenizer, text, templated=self.chat_template) for text in texts]
+        longest = process_max(max(map(len, rows)))  # every process pads to the same length
+        length = next((n for n in self.prompt_lengths if n >= longest), round_up(longest, 8))
+        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, texts)
+        parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if (len(texts) * data_shard(self.mesh)[1]) % parallel:  # prompts do not split over the mesh: share
+            tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
+        tokens, valid = from_process_local((tokens, valid), self.mesh)
+        return tokens, valid, group_size
+
     def __call__(self, policy, prompts: Sequence, rng, config: SamplingConfig,
                  temperature=None, group_size: int = 1) -> Generation:
         """Rollout rows `p * group_size + g`: sample g of `prompts[p]` (each prompt prefilled once).
@@ -74,14 +89,7 @@ class Generator:
         `prompts`: this process's prompt records (or strings; all of them in a single-process run); every
         process passes as many.
         """
-        rows = [self.prompt_tokens(p) for p in prompts]
-        longest = process_max(max(map(len, rows)))  # every process pads to the same length
-        length = next((n for n in self.prompt_lengths if n >= longest), self.prompt_length)
-        tokens, valid = left_pad(rows, length, self.tokenizer.pad_id, [self.render(p) for p in prompts])
-        parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if (len(prompts) * data_shard(self.mesh)[1]) % parallel:  # prompts do not split over the mesh: share
-            tokens, valid, group_size = np.repeat(tokens, group_size, 0), np.repeat(valid, group_size, 0), 1
-        tokens, valid = from_process_local((tokens, valid), self.mesh)
+        tokens, valid, group_size = self.prompt_batch([self.render(p) for p in prompts], group_size)
         rollout = sample(policy, tokens, valid, rng, config, self.tokenizer.stop_ids, self.tokenizer.pad_id,
                          temperature, group_size=group_size, stop_sequences=self.stop_sequences)
         local = process_local(rollout, self.mesh)

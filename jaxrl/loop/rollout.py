@@ -82,7 +82,7 @@ def shaped_rewards(scored: ScoredBatch, generation: Generation, config: Config) 
     if generation.episodes is not None:
         env_rewards = np.array([sum(e.reward_totals().values()) for e in generation.episodes], np.float32)
     return shape(scored.components, generation.texts, local.completion_mask.sum(1), config.reward,
-                 config.completion_tokens, env_rewards)
+                 config.completion_tokens, env_rewards, config.component_weights())
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,

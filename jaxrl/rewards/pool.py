@@ -96,7 +96,7 @@ import numpy as np
 from jaxrl.registry import reward_arguments
 from jaxrl.rewards.sandbox_child import die_with_parent
 
-__all__ = ["Outcome", "RewardPool", "RewardResult", "WorkerPool", "encode_job", "item_deadline"]
+__all__ = ["Outcome", "PoolOwner", "RewardPool", "RewardResult", "WorkerPool", "encode_job", "item_deadline"]
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +534,25 @@ class WorkerPool:
         return outcomes, order
 
 
-class RewardPool:
+class PoolOwner:
+    """What a pool built on `WorkerPool` (`self._pool`) shares: a context manager whose `close` stops the workers."""
+
+    _pool: WorkerPool
+    _closed: bool = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers. Idempotent; the pool cannot be used afterwards."""
+        self._closed = True
+        self._pool.close()
+
+
+class RewardPool(PoolOwner):
     """Scores items ``(prompt, completion, reference, row)`` in worker processes with timeouts.
 
     Args:
@@ -624,19 +642,6 @@ class RewardPool:
         self._closed = False
         self._warned = False  # the first failed item is logged as a warning, once per pool
         self.name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', reward_fn)}"
-
-    # -- lifecycle -------------------------------------------------------------
-
-    def __enter__(self) -> RewardPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop all workers. Idempotent; the pool cannot be used afterwards."""
-        self._closed = True
-        self._pool.close()
 
     # -- scoring ---------------------------------------------------------------
 

@@ -152,17 +152,17 @@ class RewardScorer:
 
 
 def shape(components: Mapping[str, np.ndarray], texts: Sequence[str], lengths: np.ndarray, config: RewardConfig,
-          max_new_tokens: int, env_rewards: np.ndarray | None = None) -> ComposedRewards:
+          max_new_tokens: int, env_rewards: np.ndarray | None = None,
+          weights: Mapping[str, float] | None = None) -> ComposedRewards:
     """The scored `components` (`ScoredBatch.components`: `correct` and the extras, [N] each) with the shaping
     components `config` enables (the format reward of `texts`; DAPO's overlong and the length penalty of the
     completion `lengths` [N] in tokens, `max_new_tokens` the sampling limit), composed with
-    `config.component_weights()`: `total` [N] float32 and every component, unweighted, for logging. Multi-turn,
-    `env_rewards` [N] (the environment's reward parts summed over each episode's turns) is the component
-    `env`, weight 1."""
+    `weights` (default `config.component_weights()`): `total` [N] float32 and every component, unweighted, for
+    logging. Multi-turn, `env_rewards` [N] (the environment's reward parts summed over each episode's turns) is
+    the component `env`, weighted as `Config.component_weights` says."""
     components = {name: np.asarray(v, np.float32) for name, v in components.items()}
-    weights = config.component_weights()
-    if env_rewards is not None:  # last, as `Config.component_weights` orders it
-        components["env"], weights["env"] = np.asarray(env_rewards, np.float32), 1.0
+    if env_rewards is not None:
+        components["env"] = np.asarray(env_rewards, np.float32)
     if config.format_weight:
         components["format"] = np.array([format_reward(t, pattern=config.format_pattern) for t in texts],
                                         np.float32)
@@ -170,4 +170,4 @@ def shape(components: Mapping[str, np.ndarray], texts: Sequence[str], lengths: n
         components["overlong"] = dapo_overlong_penalty(lengths, max_new_tokens, config.overlong_buffer)
     if config.length_target is not None:
         components["length"] = length_penalty(lengths, config.length_target, config.length_penalty_coef)
-    return compose(components, weights)
+    return compose(components, config.component_weights() if weights is None else weights)
