@@ -33,6 +33,32 @@ PAD_ID = 0
 NO_EOS = -1  # never sampled: every sequence runs to `new_tokens`
 
 
+RAGGED_MEDIAN_FRACTION = 0.25  # median completion length / max_new_tokens
+RAGGED_AT_BUDGET = 0.10  # fraction of completions that reach max_new_tokens
+
+
+def ragged_lengths(count: int, max_new_tokens: int, seed: int = 0, median_fraction: float = RAGGED_MEDIAN_FRACTION,
+                   at_budget: float = RAGGED_AT_BUDGET):
+    """`[count]` int32 completion lengths in `[1, max_new_tokens]`, long-tailed as real RL completions are.
+
+    `round(exp(z))` with `z ~ Normal(log(median_fraction * max_new_tokens), sigma)`, clipped to
+    `[1, max_new_tokens]`, with `sigma = log(1 / median_fraction) / Phi^-1(1 - at_budget)` so that a fraction
+    `at_budget` of the draws reach the budget (defaults: median 25% of the budget, 10% at it; sigma = 1.0817).
+    Drawn with `numpy.random.default_rng(seed).standard_normal(count)`, so anyone can repeat them.
+    """
+    import math
+    from statistics import NormalDist
+
+    import numpy as np
+
+    if not 0 < median_fraction < 1 or not 0 < at_budget < 0.5:
+        raise ValueError(f"need 0 < median_fraction < 1 and 0 < at_budget < 0.5, got {median_fraction}, {at_budget}")
+    sigma = math.log(1 / median_fraction) / NormalDist().inv_cdf(1 - at_budget)
+    z = np.random.default_rng(seed).standard_normal(count)
+    lengths = np.rint(np.exp(math.log(median_fraction * max_new_tokens) + sigma * z))
+    return np.clip(lengths, 1, max_new_tokens).astype(np.int32)
+
+
 def _model_config(model: Any):
     from jaxrl import models
     if isinstance(model, models.ModelConfig):

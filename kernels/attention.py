@@ -198,7 +198,8 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
     Args:
       q: `[batch, seq, num_heads, head_dim]`.
       k, v: `[batch, seq, num_kv_heads, head_dim]` (token-major, as projected).
-      valid: `[batch, seq]` bool, False on padding: no query sees a padding key.
+      valid: `[batch, seq]` bool, False on padding: no query sees a padding key. Or int segment ids of packed
+        rows (`jaxrl.packing`): 0 on padding, and a query sees only earlier keys of its own segment.
       scale, softcap: as in `attention`.
       window: sliding window (key j visible to query i iff `i - window < j <= i`); None: full causal.
       implementation: `xla` (the reference, `attention` with a dense mask), `cudnn`
@@ -215,7 +216,8 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
     Returns:
       `[batch, seq, num_heads, head_dim]` in q's dtype. Rows of padding queries are unspecified.
     """
-    if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]):
+    packed = valid.dtype != jnp.bool_
+    if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]) and not packed:
         return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
     if implementation == "splash":
         interpret = interpret or target_platform(None if layout is None else layout.mesh) != "tpu"
@@ -226,7 +228,9 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *
         raise ValueError(f"unknown attention implementation {implementation!r}; choose from xla, cudnn, splash")
     seq = q.shape[1]
     query_index = jnp.broadcast_to(jnp.arange(seq), valid.shape)
-    mask = causal_padding_mask(query_index, valid)
+    mask = causal_padding_mask(query_index, valid != 0)
+    if packed:
+        mask = mask & (valid[:, :, None] == valid[:, None, :])
     if window is not None:
         mask = mask & sliding_window_mask(query_index, seq, window)
     return attention(q, KV(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), mask, scale=scale, softcap=softcap)

@@ -438,7 +438,9 @@ def apply(
       tokens: `[batch, seq]` int.
       positions: `[batch, seq]` int rotary positions (padding excluded from the count).
       key_valid: `[batch, key_len]` bool; key_len = seq without a cache, the cache's length with a `KVCache`,
-        `prompt_len + own_len` with a `GroupKVCache`.
+        `prompt_len + own_len` with a `GroupKVCache`. Without a cache it may instead be int segment ids
+        `[batch, seq]` of packed rows (`jaxrl.packing`): 0 on padding, and each token attends only to earlier
+        tokens of its own segment (give `positions` restarting at 0 per segment).
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
       cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`): a scalar, or
         `[batch]` int when rows are at different slots (multi-turn episodes).
