@@ -16,6 +16,8 @@ A Pallas decode kernel would only earn its place by beating the XLA decode on a 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -192,33 +194,46 @@ def resolve_implementation(implementation: str = "auto", backend: str | None = N
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, *, scale: float | None = None,
                    softcap: float | None = None, window: int | None = None, implementation: str = "xla",
-                   interpret: bool = False, layout=None) -> jax.Array:
+                   interpret: bool = False, layout=None, max_segments: int | None = None) -> jax.Array:
     """Causal self-attention of a left-padded batch without a cache (training, log-probs, prefill).
 
     Args:
       q: `[batch, seq, num_heads, head_dim]`.
       k, v: `[batch, seq, num_kv_heads, head_dim]` (token-major, as projected).
       valid: `[batch, seq]` bool, False on padding: no query sees a padding key. Or int segment ids of packed
-        rows (`jaxrl.packing`): 0 on padding, and a query sees only earlier keys of its own segment.
+        rows (`jaxrl.packing`): 0 on padding, and a query sees only earlier keys of its own segment. A segment
+        is a run of equal ids (every implementation agrees where each segment's slots are contiguous, as a
+        packer writes them). The sliding window counts slots, so within a segment it counts positions, and a
+        window reaching back past a segment's start is cut there.
       scale, softcap: as in `attention`.
       window: sliding window (key j visible to query i iff `i - window < j <= i`); None: full causal.
       implementation: `xla` (the reference, `attention` with a dense mask), `cudnn`
         (`jax.nn.dot_product_attention`'s cuDNN kernel, NVIDIA GPUs) or `splash` (JAX's Pallas splash attention,
         TPUs). cuDNN has no soft-capping and takes only bf16/fp16 inputs with head_dim a multiple of 8 up to
-        128 (`cudnn_supports`): otherwise it falls back to `xla`.
+        128 (`cudnn_supports`): otherwise it falls back to `xla`. Packed rows (int `valid`) go to cuDNN's
+        variable-length ("THD", ragged offsets) kernel (`_cudnn_packed_self_attention`), which needs a Hopper
+        or newer GPU and JAX's private cuDNN entry point (`cudnn_packed_available`); otherwise to `xla`.
       interpret: run the Pallas kernel in interpret mode (always so when the target platform is not a TPU:
         tests on CPU).
       layout: the `models.partitioning.Layout` the program is sharded by, or None. Its mesh's devices decide the
         target platform; on a mesh of several devices splash runs per chip inside `jax.shard_map`
         (`_splash_sharded`), the batch split over the batch axes and the heads over their axes by the layout's
         rules. The other implementations leave the partitioning to XLA.
+      max_segments: packed rows only, cuDNN only: a static bound on the segments of one row. cuDNN sizes its
+        work by it (it runs `batch * max_segments` sequences of up to `seq` slots, mostly empty, and keeps
+        float32 softmax statistics `[batch * max_segments, heads, seq]` for the backward pass), so give the
+        packer's bound. None: `seq`, always enough. A row with more segments than the bound gets NaN outputs
+        at every real token (never silently wrong attention).
 
     Returns:
       `[batch, seq, num_heads, head_dim]` in q's dtype. Rows of padding queries are unspecified.
     """
     packed = valid.dtype != jnp.bool_
-    if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]) and not packed:
-        return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
+    if implementation == "cudnn" and softcap is None and cudnn_supports(q.dtype, q.shape[-1]):
+        if not packed:
+            return _cudnn_self_attention(q, k, v, valid, scale, window, "cudnn")
+        if cudnn_packed_available(None if layout is None else layout.mesh):
+            return _cudnn_packed_self_attention(q, k, v, valid, scale, window, max_segments)
     if implementation == "splash":
         interpret = interpret or target_platform(None if layout is None else layout.mesh) != "tpu"
         if layout is not None and layout.mesh.size > 1:
@@ -269,6 +284,119 @@ def _cudnn_self_attention(q, k, v, valid, scale, window, implementation):
         implementation=implementation)
     back = (jnp.arange(seq)[None, :] + lengths[:, None]) % seq
     return jnp.take_along_axis(out, back[:, :, None, None], axis=1)
+
+
+def segment_ranges(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each segment of packed rows lies: cuDNN's variable-length ("THD") description of them.
+
+    A segment is a maximal run of equal non-zero ids; 0 is padding. Segment m of row b is the slots
+    `[starts[b, m], starts[b, m] + lengths[b, m])`, in row order.
+
+    Args:
+      segment_ids: `[batch, seq]` int.
+      max_segments: static number of segment entries per row, M.
+
+    Returns:
+      `(lengths [batch, M] int32, starts [batch, M + 1] int32, count [batch] int32)`: the first M segments of
+      each row, -1 past the row's last one (the `[batch, M + 1]` start offsets, -1 filled, are the layout JAX's
+      cuDNN entry point takes); `count` is the row's number of segments, which may exceed M (then segments
+      after the M-th are not described).
+    """
+    segment_ids = segment_ids.astype(jnp.int32)
+    batch, seq = segment_ids.shape
+    previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))  # padding (0) before slot 0
+    real = segment_ids != 0
+    first = real & (segment_ids != previous)  # [batch, seq] a segment starts here
+    ordinal = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1  # [batch, seq] the slot's segment, where real
+    count = ordinal[:, -1] + 1
+    rows = jnp.arange(batch)[:, None]
+    # Scatter into M + 1 columns; the last one collects everything past the M-th segment and is dropped.
+    column = jnp.where(first & (ordinal < max_segments), ordinal, max_segments)
+    starts = jnp.full((batch, max_segments + 1), -1, jnp.int32).at[rows, column].set(
+        jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
+    column = jnp.where(real & (ordinal < max_segments), ordinal, max_segments)
+    lengths = jnp.zeros((batch, max_segments + 1), jnp.int32).at[rows, column].add(1)[:, :max_segments]
+    described = jnp.arange(max_segments)[None, :] < count[:, None]
+    lengths = jnp.where(described, lengths, -1)
+    starts = jnp.where(jnp.arange(max_segments + 1)[None, :] < jnp.minimum(count, max_segments)[:, None],
+                       starts, -1)
+    return lengths, starts, count
+
+
+def cudnn_packed_available(mesh=None) -> bool:
+    """Whether packed rows can take cuDNN's variable-length kernel: the target devices (`mesh`'s, else the
+    default backend's) are NVIDIA GPUs of compute capability 9.0 (Hopper) or newer, which JAX requires of it,
+    and JAX's private cuDNN entry point takes segment offsets (`_cudnn_ragged_entry_point`: a JAX release that
+    changes it falls back to XLA instead of failing)."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
+        return False
+    try:
+        capability = tuple(int(x) for x in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        return False
+    return capability >= (9, 0) and _cudnn_ragged_entry_point() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_ragged_entry_point():
+    """`(jax._src.cudnn.fused_attention_stablehlo.dot_product_attention, MaskType)` if this JAX has them with
+    the arguments used here (checked on jax 0.10.2; the device machine's 0.11.2 is checked by
+    benchmarks/gpu_packed.py), else None."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+        parameters = inspect.signature(cudnn.dot_product_attention).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    needed = {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type", "sliding_window_length",
+              "qkv_layout"}
+    if not needed <= set(parameters) or not hasattr(cudnn, "MaskType"):
+        return None
+    return cudnn.dot_product_attention, cudnn.MaskType
+
+
+def _cudnn_ragged_attention(q, k, v, lengths, starts, scale, window):
+    """cuDNN flash attention over the segments `segment_ranges` describes, each attended causally on its own
+    (a sequence of its own to cuDNN: causality and the window count from the segment's first slot), through
+    JAX's private entry point. q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, heads, head_dim]`
+    (as many heads as q: see `_cudnn_packed_self_attention`). Slots outside every segment: unspecified."""
+    attend, mask_type = _cudnn_ragged_entry_point()
+    return attend(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts, scale=scale,
+                  mask_type=mask_type.PADDING_CAUSAL, sliding_window_length=window, qkv_layout="BTNH")
+
+
+def _cudnn_packed_self_attention(q, k, v, segment_ids, scale, window, max_segments, attend=None,
+                                 repeat_kv: bool = True):
+    """Causal self-attention of packed rows through cuDNN's variable-length kernel (`self_attention` with int
+    segment ids and `implementation="cudnn"`).
+
+    Each row's segments are described by their start slots and lengths (`segment_ranges`, computed in the
+    program from the ids, with the static bound `max_segments`, default `seq`); cuDNN attends each segment as a
+    sequence of its own, so no mask is materialised and no work is spent across segments. The sequence axis is
+    padded at the end to a multiple of `CUDNN_SEQ_MULTIPLE` (slots in no segment). Outputs of padding slots are
+    set to 0 (cuDNN leaves them unwritten: a NaN there would reach the weight gradients through a 0 * NaN).
+    Rows with more segments than the bound: NaN at every real slot.
+
+    `repeat_kv`: repeat the KV heads up to the query heads first. JAX's entry point scales the key offsets by
+    the query heads' stride (`_fix_seqlen_offsets` in jax 0.10 and 0.11), which is right for keys only when they
+    have as many heads as the queries; benchmarks/gpu_packed.py measures the unrepeated form too. `attend`: the
+    kernel, `(q, k, v, lengths, starts, scale, window) -> out` (default `_cudnn_ragged_attention`; tests pass a
+    CPU rendering of the same semantics).
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    bound = max(2, min(seq if max_segments is None else max_segments, seq))  # one segment: JAX's unpacked path
+    lengths, starts, count = segment_ranges(segment_ids, bound)
+    if repeat_kv and k.shape[2] != num_heads:
+        k, v = (jnp.repeat(x, num_heads // x.shape[2], axis=2) for x in (k, v))
+    padded = -(-seq // CUDNN_SEQ_MULTIPLE) * CUDNN_SEQ_MULTIPLE
+    extra = ((0, 0), (0, padded - seq), (0, 0), (0, 0))
+    attend = attend or _cudnn_ragged_attention
+    out = attend(*(jnp.pad(x, extra) for x in (q, k, v)), lengths, starts,
+                 head_dim ** -0.5 if scale is None else scale, window)[:, :seq]
+    real = (segment_ids != 0)[:, :, None, None]
+    out = jnp.where(real, out, jnp.zeros((), out.dtype))
+    return jnp.where(real & (count > bound)[:, None, None, None], jnp.full((), jnp.nan, out.dtype), out).astype(
+        q.dtype)
 
 
 SPLASH_BLOCK = 128  # TPU lanes: sequence blocks of the splash kernel

@@ -193,7 +193,8 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask, cache, cache_index, layer, layout: Layout | None = None):
         """x `[batch, seq, hidden]`; `cache`: a `KVCache`, a `GroupKVCache` or None. The segment's keys and
         values are written into this layer's slots `[cache_index, cache_index + seq)` (of the `own` part of a
-        `GroupKVCache`). `mask`: `(key_valid [batch, seq], window)` without a cache and for a prefill through
+        `GroupKVCache`). `mask`: `(key_valid [batch, seq], window, max_segments)` without a cache and for a prefill
+        through
         the self-attention kernel (`Transformer.__call__`: the segment fills an empty `KVCache` from slot 0;
         it attends to its own keys as computed, also where the cache is int8); else `[batch, seq, key_len]`
         bool over the cache. `layout`: constrains the heads to their mesh axes, and places the self-attention
@@ -214,9 +215,9 @@ class Attention(nnx.Module):
         q = rotary_embedding(q, positions, inv_freq)
         k = rotary_embedding(k, positions, inv_freq)
         settings = dict(scale=cfg.query_scale, softcap=cfg.attn_logit_softcap)
-        if isinstance(mask, tuple):  # (key_valid [batch, seq], sliding window or None): no cache, or a prefill
-            key_valid, window = mask
-            out = self_attention(q, k, v, key_valid, window=window, layout=layout,
+        if isinstance(mask, tuple):  # (key_valid [batch, seq], window or None, max_segments): no cache, or prefill
+            key_valid, window, max_segments = mask
+            out = self_attention(q, k, v, key_valid, window=window, layout=layout, max_segments=max_segments,
                                  implementation=attention_implementation(cfg, layout), **settings)
             if cache is not None:
                 cache = cache.write(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), cache_index, layout)
@@ -264,9 +265,10 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(d, config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, masks, cache, cache_index, layer, layout: Layout | None = None):
+    def __call__(self, x, positions, masks, cache, cache_index, layer, layout: Layout | None = None,
+                 max_segments: int | None = None):
         if "full" not in masks:  # no cache, or a prefill: the kernel builds its own mask from padding and window
-            mask = (masks["valid"], self.window if self.sliding else None)
+            mask = (masks["valid"], self.window if self.sliding else None, max_segments)
         else:
             mask = masks["sliding" if self.sliding else "full"]
         h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, layer, layout)
@@ -328,10 +330,11 @@ REMAT_POLICIES = {
 }
 
 
-def _block_forward(layer: int, layout: Layout | None):
-    """`(block, x, positions, masks) -> x`: block `layer` without a cache, for `nnx.remat`."""
+def _block_forward(layer: int, layout: Layout | None, max_segments: int | None):
+    """`(block, x, positions, masks) -> x`: block `layer` without a cache, for `nnx.remat` (static arguments in
+    the closure: `nnx.remat` would trace an int argument)."""
     def forward(block: "Block", x, positions, masks):
-        return block(x, positions, masks, None, 0, layer, layout)[0]
+        return block(x, positions, masks, None, 0, layer, layout, max_segments)[0]
     return forward
 
 
@@ -346,7 +349,8 @@ class Transformer(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, config=config, rngs=rngs)
 
-    def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0, layout: Layout | None = None):
+    def __call__(self, tokens, positions, key_valid, cache=None, cache_index=0, layout: Layout | None = None,
+                 max_segments: int | None = None):
         """See `apply`."""
         cfg = self.config
         x = self.embed_tokens(tokens, layout)
@@ -364,9 +368,9 @@ class Transformer(nnx.Module):
         remat = REMAT_POLICIES[cfg.remat] if cache is None else None  # decoding keeps no activations
         for i, layer in enumerate(self.layers):
             if remat is None:
-                x, cache = layer(x, positions, masks, cache, cache_index, i, layout)
+                x, cache = layer(x, positions, masks, cache, cache_index, i, layout, max_segments)
             else:  # the backward pass recomputes what `remat` does not save of this block
-                x = nnx.remat(_block_forward(i, layout), policy=remat)(layer, x, positions, masks)
+                x = nnx.remat(_block_forward(i, layout, max_segments), policy=remat)(layer, x, positions, masks)
         return self.norm(x), cache
 
     def unembedding(self) -> jax.Array:
@@ -431,6 +435,7 @@ def apply(
     key_valid: jax.Array,
     cache: KVCache | GroupKVCache | None = None,
     cache_index: int | jax.Array = 0,
+    max_segments: int | None = None,
 ) -> tuple[jax.Array, KVCache | GroupKVCache | None]:
     """Run the decoder over a segment of tokens.
 
@@ -440,10 +445,15 @@ def apply(
       key_valid: `[batch, key_len]` bool; key_len = seq without a cache, the cache's length with a `KVCache`,
         `prompt_len + own_len` with a `GroupKVCache`. Without a cache it may instead be int segment ids
         `[batch, seq]` of packed rows (`jaxrl.packing`): 0 on padding, and each token attends only to earlier
-        tokens of its own segment (give `positions` restarting at 0 per segment).
+        tokens of its own segment (give `positions` restarting at 0 per segment). A segment is a run of equal
+        ids; a sliding window counts slots, so within a segment positions, and it stops at the segment's start.
       cache: optional KV cache; the segment's keys/values are written at `cache_index`.
       cache_index: slot of `tokens[:, 0]` in the cache (in its `own` part for a `GroupKVCache`): a scalar, or
         `[batch]` int when rows are at different slots (multi-turn episodes).
+      max_segments: packed rows only: a static (Python int) bound on the segments of one row, for the cuDNN
+        kernel (`kernels.attention.self_attention`; ignored by the other implementations). None: the row length
+        (always enough, but cuDNN then does and keeps work for that many segments per row); a row with more
+        segments than the bound gets NaN hidden states at its real tokens.
 
     A prefill (a `KVCache` exactly as long as the segment, written from a static `cache_index` 0, so every slot
     is overwritten) attends through the self-attention kernel of `config.attention_impl` unless that resolves
@@ -454,7 +464,7 @@ def apply(
       `(hidden [batch, seq, hidden_size], updated cache or None)`.
     """
     model = nnx.merge(policy.graphdef, policy.params)
-    return model(tokens, positions, key_valid, cache, cache_index, policy.layout)
+    return model(tokens, positions, key_valid, cache, cache_index, policy.layout, max_segments)
 
 
 def unembedding(policy: Policy) -> jax.Array:

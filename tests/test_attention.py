@@ -290,3 +290,176 @@ def test_prefill_goes_through_the_kernel_unless_xla():
     assert "pallas_call" not in jaxpr(xla, 6, 0)
     assert "pallas_call" not in jaxpr(splash, 6, None)  # traced slot: not known to be 0
     assert "pallas_call" not in jaxpr(splash, 9, 0)  # a longer cache: its other slots may hold keys
+
+
+# ---------------------------------------------------------------- packed rows: int segment ids
+
+def _packed_case(dtype=jnp.float32, seq=40, heads=4, kv_heads=2, head_dim=16):
+    """Three rows of packed sequences (segments of lengths 7, 13, 5 then padding; 40 slots of one segment; ids
+    1, 2 then padding, then nothing) and q, k, v."""
+    rng = np.random.default_rng(seq + heads)
+    segments = np.zeros((3, seq), np.int32)
+    segments[0, :7], segments[0, 7:20], segments[0, 20:25] = 1, 2, 3
+    segments[1, :] = 1
+    segments[2, :11], segments[2, 11:30] = 1, 2
+    q, k, v = (jnp.asarray(rng.standard_normal((3, seq, h, head_dim)), dtype) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, jnp.asarray(segments)
+
+
+def _reference_packed_attention(q, k, v, segments, scale=None, window=None, softcap=None):
+    """float64 numpy: each query attends to earlier keys of its own segment (and the last `window` slots)."""
+    q, k, v, segments = (np.asarray(x, np.float64) for x in (q, k, v, segments))
+    batch, seq, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        for i in range(seq):
+            if segments[b, i] == 0:
+                continue
+            keys = [j for j in range(i + 1) if segments[b, j] == segments[b, i] and (window is None or i - j < window)]
+            for h in range(heads):
+                s = k[b, keys, h // groups] @ q[b, i, h] * (head_dim ** -0.5 if scale is None else scale)
+                if softcap is not None:
+                    s = np.tanh(s / softcap) * softcap
+                w = np.exp(s - s.max())
+                out[b, i, h] = (w / w.sum()) @ v[b, keys, h // groups]
+    return out
+
+
+PACKED_CASES = [dict(), dict(window=4), dict(window=9, softcap=3.0, scale=0.2)]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_packed_self_attention_matches_a_numpy_reference(case, implementation):
+    """Int segment ids: no query sees another segment (a window of 4 or 9 reaches back across segment starts and is
+    cut there), GQA, soft-capping; padding query rows are left out (unspecified)."""
+    from jaxrl.kernels.attention import self_attention
+
+    q, k, v, segments = _packed_case()
+    got = self_attention(q, k, v, segments, implementation=implementation, interpret=True, **case)
+    real = np.asarray(segments != 0)[..., None, None]
+    want = _reference_packed_attention(q, k, v, segments, **case)
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-5, rtol=1e-5)
+
+
+def test_packed_splash_gradients_match_xla():
+    from jaxrl.kernels.attention import self_attention
+
+    q, k, v, segments = _packed_case(seq=24)
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * (segments != 0)[
+        ..., None, None]
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(self_attention(q, k, v, segments, window=6, implementation=impl,
+                                                      interpret=True) * weights)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def _reference_segment_ranges(segments, max_segments):
+    """numpy: runs of equal non-zero ids, left to right."""
+    batch = segments.shape[0]
+    lengths = -np.ones((batch, max_segments), np.int32)
+    starts = -np.ones((batch, max_segments + 1), np.int32)
+    count = np.zeros(batch, np.int32)
+    for b, row in enumerate(segments):
+        runs = []
+        for i, s in enumerate(row):
+            if s != 0 and (i == 0 or row[i - 1] != s):
+                runs.append([i, 0])
+            if s != 0:
+                runs[-1][1] += 1
+        count[b] = len(runs)
+        for m, (start, length) in enumerate(runs[:max_segments]):
+            starts[b, m], lengths[b, m] = start, length
+    return lengths, starts, count
+
+
+@pytest.mark.parametrize("max_segments", [2, 3, 5, 40])
+def test_segment_ranges_match_numpy(max_segments):
+    """Start slots and lengths of each row's segments (cuDNN's ragged description), -1 past the last; rows with
+    more segments than the bound keep their first `max_segments`; padding between segments, an id repeated in
+    two runs (two segments), an all-padding row."""
+    from jaxrl.kernels.attention import segment_ranges
+
+    rng = np.random.default_rng(max_segments)
+    segments = np.zeros((6, 40), np.int32)
+    for b in range(4):  # random runs, some of them padding
+        i = 0
+        while i < 40:
+            n = int(rng.integers(1, 9))
+            segments[b, i:i + n] = rng.integers(0, 4)
+            i += n
+    segments[4, 3:9], segments[4, 9:12], segments[4, 15:20] = 2, 1, 2
+    lengths, starts, count = jax.jit(segment_ranges, static_argnums=1)(jnp.asarray(segments), max_segments)
+    want = _reference_segment_ranges(segments, max_segments)
+    for got, expected in zip((lengths, starts, count), want):
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    assert (count[5] == 0) and (np.asarray(lengths[5]) == -1).all()
+
+
+def _ragged_attention_on_cpu(q, k, v, lengths, starts, scale, window):
+    """What cuDNN's variable-length kernel computes, rendered for the CPU: segment m of a row is the slots
+    `[starts[m], starts[m] + lengths[m])`, attended causally (and within `window`) on its own; slots in no
+    described segment see nothing (their output is garbage here: zeros attention weights -> uniform)."""
+    seq = q.shape[1]
+    slot = jnp.arange(seq)
+    starts = starts[:, :-1]
+    inside = (slot[None, None, :] >= starts[:, :, None]) & (slot[None, None, :] < (starts + lengths)[:, :, None])
+    inside &= (lengths >= 0)[:, :, None]  # [batch, M, seq]
+    same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    mask = same & (slot[None, :, None] >= slot[None, None, :])
+    if window is not None:
+        mask &= slot[None, :, None] - slot[None, None, :] < window
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="xla")
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("repeat_kv", [True, False])
+def test_cudnn_packed_wrapper_matches_xla(window, repeat_kv):
+    """The cuDNN packed path around its kernel (segment ranges, KV heads repeated or not, the sequence padded to
+    a multiple of 64, padding outputs zeroed) with the kernel's semantics rendered on the CPU, against the XLA
+    path: outputs and gradients (finite: padding rows must not leak NaN)."""
+    from jaxrl.kernels.attention import _cudnn_packed_self_attention, self_attention
+
+    q, k, v, segments = _packed_case()
+    real = (segments != 0)[..., None, None]
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32) * real
+
+    def loss(fn):
+        return lambda q, k, v: (jnp.sum(fn(q, k, v) * weights), fn(q, k, v))
+    packed = loss(lambda q, k, v: _cudnn_packed_self_attention(q, k, v, segments, 0.3, window, 3,
+                                                               _ragged_attention_on_cpu, repeat_kv))
+    xla = loss(lambda q, k, v: self_attention(q, k, v, segments, scale=0.3, window=window))
+    (_, got), got_grads = jax.value_and_grad(packed, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, want), want_grads = jax.value_and_grad(xla, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=1e-5, rtol=1e-5)
+    assert (np.asarray(got)[~np.asarray(real[..., 0, 0])] == 0).all()
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_packed_rows_over_the_segment_bound_are_nan():
+    """Row 0 has 3 segments: with `max_segments=2` its real outputs are NaN (never silently wrong), the other
+    rows (1 and 2 segments) are right."""
+    from jaxrl.kernels.attention import _cudnn_packed_self_attention, self_attention
+
+    q, k, v, segments = _packed_case()
+    got = np.asarray(_cudnn_packed_self_attention(q, k, v, segments, None, None, 2, _ragged_attention_on_cpu))
+    want = np.asarray(self_attention(q, k, v, segments))
+    real = np.asarray(segments != 0)
+    assert np.isnan(got[0][real[0]]).all() and not np.isnan(got[0][~real[0]]).any()
+    np.testing.assert_allclose(got[1:][real[1:]], want[1:][real[1:]], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_rows_take_xla_where_cudnn_packed_cannot_run():
+    """On a CPU (or a GPU before Hopper) packed bf16 rows with `implementation="cudnn"` take the XLA path."""
+    from jaxrl.kernels.attention import cudnn_packed_available, self_attention
+
+    assert not cudnn_packed_available()
+    q, k, v, segments = _packed_case(jnp.bfloat16)
+    np.testing.assert_array_equal(self_attention(q, k, v, segments, implementation="cudnn"),
+                                  self_attention(q, k, v, segments))
