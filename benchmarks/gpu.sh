@@ -8,12 +8,20 @@
 #   bash benchmarks/gpu.sh overlap  # the default recipe, synchronous vs one-step overlap (needs grain)
 #   bash benchmarks/gpu.sh plan [qwen|llama]  # each phase of an RL step beside jaxrl plan's prediction
 #                                   # (benchmarks/plan_check.py); both recipes, or one with the whole call
+#   bash benchmarks/gpu.sh ragged   # packed rows (issue 36): cuDNN's variable-length attention and a packed
+#                                   # Qwen2.5-0.5B forward checked (benchmarks/gpu_packed.py), then the ragged
+#                                   # sampler and train benchmarks; about 6 minutes
 # Logs go to $OUT (or ./gpu-logs). Uses the machine's python3 with jax[cuda], flax, optax installed.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# models/ and kernels/ import as jaxrl.models and jaxrl.kernels once installed (pyproject's package-dir). Without
+# an install (the device machine's python3) links inside jaxrl/ stand in for it (untracked files of this copy).
+if ! $PY -c "import jaxrl.kernels, jaxrl.models" 2>/dev/null; then
+  for package in kernels models; do [ -e "jaxrl/$package" ] || ln -s "../$package" "jaxrl/$package"; done
+fi
 QWEN="--model qwen2.5-0.5b --dtype bfloat16 --group 8 --prompt-len 256 --new-tokens 256 --bandwidth"
 
 case "${1:-checks}" in
@@ -70,8 +78,22 @@ plan)  # real lengths, random weights, 3 RL steps per phase; each recipe bounded
       --budget $((limit - 20)) --out "$OUT/plan_check_$name.json" 2>&1 | tee "$OUT/plan_check_$name.txt"
   done
   ;;
+ragged)  # each stage bounded so that the whole case ends in about 6 minutes (a stage cut short says so in its log)
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
+    | tee "$OUT/ragged_versions.txt"
+  $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', \
+    optax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/ragged_versions.txt"
+  timeout 150 $PY benchmarks/gpu_packed.py 2>&1 | tee "$OUT/gpu_packed.txt"
+  echo "gpu_packed exit ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_packed.txt"
+  timeout 120 $PY -m jaxrl.bench sample --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --compare-compaction \
+    --prompts 8 --group 8 --prompt-len 256 --new-tokens 512 --bandwidth 2>&1 | tee "$OUT/sample_ragged.txt"
+  echo "bench sample exit ${PIPESTATUS[0]}" | tee -a "$OUT/sample_ragged.txt"
+  timeout 120 $PY -m jaxrl.bench train --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --packing compare \
+    --sequences 64 --prompt-len 256 --completion-len 512 2>&1 | tee "$OUT/train_ragged.txt"
+  echo "bench train exit ${PIPESTATUS[0]}" | tee -a "$OUT/train_ragged.txt"
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu.sh checks|sample|sample-flags|train|profile|overlap|plan [qwen|llama]" >&2
+  echo "usage: bash benchmarks/gpu.sh checks|sample|sample-flags|train|profile|overlap|plan [qwen|llama]|ragged" >&2
   exit 2
   ;;
 esac

@@ -188,10 +188,17 @@ SHARDED_SCRIPT = """
     # KV heads split with the query heads (2 on tensor=2); not split, one per chip (1 KV head, 2 query heads per
     # chip); not split, 3 KV heads for 6 query heads (3 per chip: 3 KV copies per chip, one per query head).
     # Gradients where K/V are repeated (their transpose sums the copies back).
-    for heads, kv_heads, window, grads in ((4, 2, None, False), (4, 1, 9, True), (6, 3, None, False)):
+    # Packed rows (int segment ids, trailing padding; a window reaching across segment starts): "packed 4/2".
+    segments = np.zeros((4, 40), np.int32)
+    segments[0, :7], segments[0, 7:20], segments[0, 20:33] = 1, 2, 3
+    segments[1, :], segments[2, :11], segments[2, 11:38], segments[3, :5] = 1, 1, 2, 1
+    for heads, kv_heads, window, grads, packed in ((4, 2, None, False, False), (4, 1, 9, True, False),
+                                                   (6, 3, None, False, False), (4, 2, 6, True, True)):
         q, k, v = (jnp.asarray(rng.standard_normal((4, 40, h, 16)), jnp.float32) for h in (heads, kv_heads, kv_heads))
         valid = jnp.asarray(np.arange(40)[None] >= np.array([[0], [9], [3], [39]]))  # left padding
-        weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * valid[..., None, None]
+        if packed:
+            valid = jnp.asarray(segments)
+        weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * (valid != 0)[..., None, None]
 
         def loss(q, k, v, impl):
             o = self_attention(q, k, v, valid, window=window, implementation=impl,
@@ -202,8 +209,8 @@ SHARDED_SCRIPT = """
         lowered = jax.jit(run, static_argnums=3).lower(q, k, v, "splash")
         (_, got), got_grads = lowered.compile()(q, k, v)
         (_, want), want_grads = jax.jit(run, static_argnums=3)(q, k, v, "xla")
-        real = np.asarray(valid)[..., None, None]
-        out[f"{heads}/{kv_heads}"] = dict(
+        real = np.asarray(valid != 0)[..., None, None]
+        out[("packed " if packed else "") + f"{heads}/{kv_heads}"] = dict(
             error=float(np.abs(np.where(real, got - want, 0)).max()),
             grad_error=max(float(np.abs(g - w).max()) for g, w in zip(got_grads, want_grads)),
             shard_map="sdy.manual_computation" in lowered.as_text())
@@ -249,12 +256,12 @@ def sharded_results():
     return json.loads(result.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-@pytest.mark.parametrize("case", ["4/2", "4/1", "6/3"])
+@pytest.mark.parametrize("case", ["4/2", "4/1", "6/3", "packed 4/2"])
 def test_sharded_splash_matches_xla_on_a_data_fsdp_tensor_mesh(sharded_results, case):
     """Splash inside `shard_map` (interpret mode: the mesh is CPU) on a (data=2, fsdp=2, tensor=2) mesh against
     the XLA reference, outputs and q/k/v gradients, for `heads/kv_heads` = 4/2 (KV heads split with the query
     heads), 4/1 (one KV head: each chip gets a copy) and 6/3 (3 query heads per chip over 2 KV heads: one copy
-    per query head)."""
+    per query head); and packed rows (int segment ids split with the batch, sliding window 6)."""
     result = sharded_results[case]
     assert result["shard_map"]
     assert result["error"] <= 1e-5, result
