@@ -9,8 +9,9 @@ on packed rows against the same sequences padded. Prints one JSON line, then tab
    max_segments=M)` (M the packing's most segments per row, and None = seq) against the XLA path in float32 on
    the same inputs: outputs and q/k/v gradients, relative error over real tokens; every output finite.
 2. Diagnostics (not gating): whether the program really calls cuDNN (`__cudnn$fmha` in the compiled HLO), JAX's
-   private entry point's signature, and the unrepeated-KV form (`repeat_kv=False`: native GQA, whose key offsets
-   JAX may scale by the query heads; see `kernels.attention._cudnn_packed_self_attention`).
+   private entry point's signature, the unrepeated-KV form (`repeat_kv=False`: native GQA, whose key offsets JAX
+   may scale by the query heads; see `kernels.attention._cudnn_packed_self_attention`) and the CAUSAL mask type
+   in place of PADDING_CAUSAL.
 3. Timing of one attention layer's forward + backward (median of 20 after 3 warm-ups, `block_until_ready`): packed
    cuDNN with the tight bound and with M = seq, the same sequences padded (one per row, cuDNN's padded path), and
    packed XLA.
@@ -25,6 +26,8 @@ the XLA fallback and say so). Errors are ||got - want|| / ||want||.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import inspect
 import json
 import statistics
@@ -37,8 +40,8 @@ import numpy as np
 
 from jaxrl import models
 from jaxrl.bench import ragged_lengths
-from jaxrl.kernels.attention import (_cudnn_packed_self_attention, _cudnn_ragged_entry_point, cudnn_packed_available,
-                                    self_attention)
+from jaxrl.kernels.attention import (_cudnn_packed_self_attention, _cudnn_ragged_attention, _cudnn_ragged_entry_point,
+                                    cudnn_packed_available, self_attention)
 
 BF16_TOLERANCE = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2
 MODEL_TOLERANCE = 5e-2  # 24 bf16 layers
@@ -90,21 +93,26 @@ def _attention_inputs(key, seq, count, heads, kv_heads, head_dim, seed):
     return lengths, jnp.asarray(segments), q, k, v, weights
 
 
-def _cudnn_fn(window, max_segments, repeat_kv):
-    if repeat_kv:
+def _cudnn_fn(window, max_segments, variant="default"):
+    """Packed cuDNN attention `(q, k, v, segment_ids) -> out`: `self_attention`'s, or a diagnostic variant of it
+    (`native GQA`: KV heads not repeated; `mask CAUSAL`: the entry point's CAUSAL mask type)."""
+    if variant == "default":
         return lambda q, k, v, s: self_attention(q, k, v, s, window=window, implementation="cudnn",
-                                                      max_segments=max_segments)
-    return lambda q, k, v, s: _cudnn_packed_self_attention(q, k, v, s, None, window, max_segments,
-                                                                repeat_kv=False)
+                                                 max_segments=max_segments)
+    if variant == "native GQA":
+        return lambda q, k, v, s: _cudnn_packed_self_attention(q, k, v, s, None, window, max_segments,
+                                                               repeat_kv=False)
+    attend = functools.partial(_cudnn_ragged_attention, mask="CAUSAL")
+    return lambda q, k, v, s: _cudnn_packed_self_attention(q, k, v, s, None, window, max_segments, attend)
 
 
-def check_attention(key, seq, window, bound, repeat_kv, shapes, seed) -> dict:
+def check_attention(key, seq, window, bound, variant, shapes, seed) -> dict:
     """Packed cuDNN (bf16) against packed XLA (float32 on the same inputs): outputs and gradients."""
     lengths, segments, q, k, v, weights = _attention_inputs(key, seq, *shapes, seed)
     real = np.asarray(segments != 0)
     most = int(max(np.unique(row[row > 0]).size for row in np.asarray(segments)))
     max_segments = most if bound == "tight" else None
-    fn = _cudnn_fn(window, max_segments, repeat_kv)
+    fn = _cudnn_fn(window, max_segments, variant)
     reference = lambda q, k, v, s: self_attention(q, k, v, s, window=window)  # noqa: E731
 
     def loss(f, dtype):
@@ -151,8 +159,8 @@ def time_attention(key, seq, shapes, seed) -> list[dict]:
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
 
     variants = [
-        ("packed cudnn, max_segments = most per row", grad_of(_cudnn_fn(None, most, True), segments), (q, k, v)),
-        ("packed cudnn, max_segments = seq", grad_of(_cudnn_fn(None, None, True), segments), (q, k, v)),
+        ("packed cudnn, max_segments = most per row", grad_of(_cudnn_fn(None, most), segments), (q, k, v)),
+        ("packed cudnn, max_segments = seq", grad_of(_cudnn_fn(None, None), segments), (q, k, v)),
         ("padded cudnn (one sequence per row)",
          grad_of(lambda q, k, v, m: self_attention(q, k, v, m, implementation="cudnn"), padded_valid),
          (pq, pk, pv)),
@@ -196,8 +204,7 @@ def check_model(key, small: bool, seed: int) -> dict:
     most = int(max(np.unique(r[r > 0]).size for r in segments))
 
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"  # CPU smoke test: no cuDNN at all
-    policy = models.init(config.__class__(**{**config.__dict__, "dtype": "bfloat16", "attention_impl": impl}),
-                         jax.random.fold_in(key, 2))
+    policy = models.init(dataclasses.replace(config, dtype="bfloat16", attention_impl=impl), jax.random.fold_in(key, 2))
 
     def logits_at_real_tokens(policy, tokens, positions, mask, index, max_segments=None):
         hidden, _ = models.apply(policy, tokens, positions, mask, max_segments=max_segments)
@@ -236,18 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     seqs = (128, 100) if args.small else (768, 700)
     window = 16 if args.small else 128
     note = "" if available else " (cuDNN packed unavailable here: XLA fallback)"
-    checks = []
-    cases = [(seqs[0], None, "tight", True), (seqs[0], window, "tight", True), (seqs[1], None, "tight", True),
-             (seqs[0], None, "seq", True), (seqs[0], window, "tight", False)]
-    for i, (seq, w, bound, repeat_kv) in enumerate(cases):
+    checks = [{"check": "cuDNN packed kernel available (NVIDIA GPU, compute capability >= 9.0, JAX entry point)",
+               "gating": device.platform == "gpu", "ok": available, "errors": {}}]
+    cases = [(seqs[0], None, "tight", "default"), (seqs[0], window, "tight", "default"),
+             (seqs[1], None, "tight", "default"), (seqs[0], None, "seq", "default"),
+             (seqs[0], window, "tight", "native GQA"), (seqs[0], window, "tight", "mask CAUSAL")]
+    for i, (seq, w, bound, variant) in enumerate(cases):
+        gating = variant == "default"
         name = (f"packed cudnn attention, bf16, seq {seq}, window {w}, max_segments {bound}"
-                + ("" if repeat_kv else ", native GQA (diagnostic)") + note)
+                + ("" if gating else f", {variant} (diagnostic)") + note)
         try:
-            result = check_attention(jax.random.fold_in(key, 10 + i), seq, w, bound, repeat_kv, shapes, args.seed)
-            ok = max(result["errors"].values()) < BF16_TOLERANCE and result["finite"]
+            result = check_attention(jax.random.fold_in(key, 10 + i), seq, w, bound, variant, shapes, args.seed)
+            ok = (max(result["errors"].values()) < BF16_TOLERANCE and result["finite"]
+                  and (result["cudnn_in_hlo"] or not available))
         except Exception as error:  # noqa: BLE001 - reported; fails the run only if gating
             result, ok = {"error": f"{type(error).__name__}: {str(error)[:500]}"}, False
-        checks.append({"check": name, "gating": repeat_kv, "ok": ok, **result})
+        checks.append({"check": name, "gating": gating, "ok": ok, **result})
     try:
         model = check_model(jax.random.fold_in(key, 2), args.small, args.seed)
         model_ok = model["finite"] and max(model["errors"].values()) < MODEL_TOLERANCE
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result), flush=True)
     print("\n| check | errors | cuDNN in HLO | ok |\n|---|---|---|---|")
     for c in checks:
-        errors = c.get("error") or ", ".join(f"{k} {v:.1e}" for k, v in c["errors"].items())
+        errors = c.get("error") or ", ".join(f"{k} {v:.1e}" for k, v in c["errors"].items()) or str(c["ok"])
         print(f"| {c['check']} | {errors} | {c.get('cudnn_in_hlo', '')} | "
               f"{'yes' if c['ok'] else 'NO' if c['gating'] else 'no (diagnostic)'} |")
     print("\n| attention fwd+bwd, same sequences | q shape | ms | useful tokens/ms |\n|---|---|---|---|")

@@ -4,7 +4,8 @@
   them into the cache too). It dispatches by `implementation` (`resolve_implementation`: `auto` picks by the
   platform of the devices the program runs on, `target_platform`):
   - the XLA reference;
-  - `jax.nn.dot_product_attention`'s cuDNN kernel on NVIDIA GPUs;
+  - `jax.nn.dot_product_attention`'s cuDNN kernel on NVIDIA GPUs; packed rows (int segment ids) take cuDNN's
+    variable-length kernel, each segment attended as a sequence of its own, on Hopper or newer;
   - JAX's Pallas splash attention on TPUs (interpret mode elsewhere, for tests). On a mesh of several devices
     it runs inside `jax.shard_map`, each chip on its own rows and heads (a Mosaic kernel cannot be
     partitioned by XLA).
@@ -355,14 +356,15 @@ def _cudnn_ragged_entry_point():
     return cudnn.dot_product_attention, cudnn.MaskType
 
 
-def _cudnn_ragged_attention(q, k, v, lengths, starts, scale, window):
+def _cudnn_ragged_attention(q, k, v, lengths, starts, scale, window, mask: str = "PADDING_CAUSAL"):
     """cuDNN flash attention over the segments `segment_ranges` describes, each attended causally on its own
     (a sequence of its own to cuDNN: causality and the window count from the segment's first slot), through
     JAX's private entry point. q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, heads, head_dim]`
-    (as many heads as q: see `_cudnn_packed_self_attention`). Slots outside every segment: unspecified."""
+    (as many heads as q: see `_cudnn_packed_self_attention`). Slots outside every segment: unspecified.
+    `mask`: the entry point's `MaskType` name (benchmarks/gpu_packed.py also measures `CAUSAL`)."""
     attend, mask_type = _cudnn_ragged_entry_point()
     return attend(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts, scale=scale,
-                  mask_type=mask_type.PADDING_CAUSAL, sliding_window_length=window, qkv_layout="BTNH")
+                  mask_type=mask_type[mask], sliding_window_length=window, qkv_layout="BTNH")
 
 
 def _cudnn_packed_self_attention(q, k, v, segment_ids, scale, window, max_segments, attend=None,
