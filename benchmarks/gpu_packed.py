@@ -13,8 +13,8 @@ on packed rows against the same sequences padded. Prints one JSON line, then tab
    may scale by the query heads; see `kernels.attention._cudnn_packed_self_attention`) and the CAUSAL mask type
    in place of PADDING_CAUSAL.
 3. Timing of one attention layer's forward + backward (median of 20 after 3 warm-ups, `block_until_ready`): packed
-   cuDNN with the tight bound and with M = seq, the same sequences padded (one per row, cuDNN's padded path), and
-   packed XLA.
+   cuDNN with the tight bound, with M = seq and with native GQA, the same sequences padded (one per row, cuDNN's
+   padded path), and packed XLA.
 4. Model (gating): `models.PRESETS["qwen2.5-0.5b"]` in bf16 with random weights, `attention_impl="cudnn"`: the
    logits at every real token of packed rows against the same sequences left-padded (cuDNN's padded path), and
    both against the padded float32 XLA forward.
@@ -144,7 +144,7 @@ def _median_ms(fn, *args, warmup=3, repeats=20) -> float:
 
 
 def time_attention(key, seq, shapes, seed) -> list[dict]:
-    """Forward + backward of one attention layer on the same sequences, four ways."""
+    """Forward + backward of one attention layer on the same sequences, five ways."""
     lengths, segments, q, k, v, _ = _attention_inputs(key, seq, *shapes, seed)
     most = int(max(np.unique(row[row > 0]).size for row in np.asarray(segments)))
     longest = max(lengths)
@@ -161,6 +161,8 @@ def time_attention(key, seq, shapes, seed) -> list[dict]:
     variants = [
         ("packed cudnn, max_segments = most per row", grad_of(_cudnn_fn(None, most), segments), (q, k, v)),
         ("packed cudnn, max_segments = seq", grad_of(_cudnn_fn(None, None), segments), (q, k, v)),
+        ("packed cudnn, native GQA (diagnostic: right only if its check passed)",
+         grad_of(_cudnn_fn(None, most, "native GQA"), segments), (q, k, v)),
         ("padded cudnn (one sequence per row)",
          grad_of(lambda q, k, v, m: self_attention(q, k, v, m, implementation="cudnn"), padded_valid),
          (pq, pk, pv)),
