@@ -4,6 +4,7 @@ parameter gradients of the same sequences alone in a left-padded batch, for the 
 interpret mode on CPU) attention kernels, with and without rematerialisation."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +128,38 @@ def test_packed_rows_give_each_sequences_logits_and_gradients(family, implementa
         g, w = np.asarray(g), np.asarray(w)  # float32 sums in another order: 1e-5 of the leaf's largest entry
         np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max(), rtol=1e-5, err_msg=jax.tree_util.keystr(path))
         assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w), jax.tree_util.keystr(path)
+
+
+def _ragged_attention_on_cpu(q, k, v, lengths, starts, scale, window):
+    """cuDNN's variable-length kernel's semantics on the CPU (as in tests/test_attention.py): each described
+    segment `[start, start + length)` attended causally, within `window`, on its own."""
+    slot = jnp.arange(q.shape[1])
+    starts = starts[:, :-1]
+    inside = (slot >= starts[:, :, None]) & (slot < (starts + lengths)[:, :, None]) & (lengths >= 0)[:, :, None]
+    same = jnp.einsum("bmi,bmj->bij", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+    mask = same & (slot[:, None] >= slot[None, :])
+    if window is not None:
+        mask &= slot[:, None] - slot[None, :] < window
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="xla")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_max_segments_reaches_the_cudnn_kernel(monkeypatch, remat):
+    """`models.apply(..., max_segments=)` is the bound the cuDNN packed path gets, rematerialised or not: with the
+    kernel's semantics rendered on the CPU, bf16 logits equal the XLA path's at a bound of 3 (rows of 3 and 2
+    sequences) and are NaN on the 3-sequence row at a bound of 2."""
+    module = importlib.import_module("jaxrl.kernels.attention")  # (`jaxrl.kernels.attention` the name is a function)
+    monkeypatch.setattr(module, "cudnn_packed_available", lambda mesh=None: True)
+    monkeypatch.setattr(module, "_cudnn_ragged_attention", _ragged_attention_on_cpu)
+    policy = models.replace_config(_policy("qwen2"), dtype="bfloat16", remat=remat)
+    tokens, segments, positions, _ = _packed()
+
+    def logits(impl, bound):
+        p = models.replace_config(policy, attention_impl=impl)
+        hidden, _ = models.apply(p, tokens, positions, segments, max_segments=bound)
+        return np.asarray(models.logits_from_hidden(p, hidden))
+    real = np.asarray(segments != 0)
+    want, got = logits("xla", None)[real], logits("cudnn", 3)[real]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    short = logits("cudnn", 2)
+    assert np.isnan(short[0][real[0]]).all() and np.isfinite(short[1]).all()
