@@ -22,6 +22,7 @@ from flax import struct
 
 from jaxrl import models
 from jaxrl import losses
+from jaxrl import packing
 from jaxrl.losses import Controls, LossInputs, Term
 from jaxrl.kernels import token_logprobs
 from jaxrl.models import Policy
@@ -187,8 +188,74 @@ def completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: jax.Arr
 
 def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) -> jax.Array:
     """`[B, N]` float32 value of the state before each completion token."""
-    hidden = _completion_hidden(critic.trunk, tokens, prompt_valid).astype(jnp.float32)
-    return hidden @ critic.params["head"]["kernel"] + critic.params["head"]["bias"]
+    return _value_head(critic, _completion_hidden(critic.trunk, tokens, prompt_valid))
+
+
+def _packed_hidden(policy: Policy, tokens: jax.Array, rows: dict, shards: int) -> tuple[jax.Array, jax.Array]:
+    """`(hidden [r, S, hidden], targets [r, S])` of packed rows (`rows`: a plan's `gather`, `segments`,
+    `positions`, each `[r, S]`): final hidden states, and at each position the token it predicts."""
+    inputs, targets = packing.pack_rows(tokens, rows["gather"], shards)
+    hidden, _ = models.apply(policy, inputs, rows["positions"], rows["segments"])
+    return hidden, targets
+
+
+def _plan_micro_batches(plan: packing.PackPlan) -> tuple[dict, jax.Array]:
+    """`(rows, unpack)`: a plan's row arrays `[M, r, S]` and unpack indices `[M, B, N]`, by micro-batch."""
+    m = plan.micro_batches
+    rows = {name: packing.split_rows(getattr(plan, name), m) for name in ("gather", "segments", "positions")}
+    return rows, plan.unpack
+
+
+def _over_plan(fn: Callable, model, plan: packing.PackPlan) -> Any:
+    """`fn(model, rows, unpack_index)` -> `[B, N]` arrays (0 where the index is -1) over a plan's micro-batches
+    one after another (`lax.scan`: the activations of one micro-batch), summed: each completion token comes
+    from exactly one micro-batch, so the sum is exact."""
+    rows, index = _plan_micro_batches(plan)
+    if plan.micro_batches == 1:
+        return fn(model, jax.tree.map(lambda x: x[0], rows), index[0])
+
+    def body(model, xs):  # the model carried, not closed over: NNX's lifted remat wants it traced here
+        return model, fn(model, *xs)
+
+    _, out = jax.lax.scan(body, model, (rows, index))
+    return jax.tree.map(lambda x: x.sum(0), out)
+
+
+def packed_completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: jax.Array,
+                               temperature: float | jax.Array = 1.0, *, plan: packing.PackPlan
+                               ) -> tuple[jax.Array, jax.Array]:
+    """`completion_logprobs` computed on the packed rows of `plan` (`jaxrl.packing.plan_packing` of this batch):
+    the model and the LM head run on `[R, S]` packed positions instead of `[B, Lp + N]` padded ones.
+
+    Returns `(logp [B, N], entropy [B, N])` float32, equal to `completion_logprobs` on every completion token the
+    plan packed (up to each sequence's last real token) and 0 elsewhere. `prompt_valid` is not read (the plan
+    holds the prompt lengths); it keeps the padded function's signature.
+    """
+    shards = plan.shards
+
+    def micro(policy, rows, index):
+        hidden, targets = _packed_hidden(policy, tokens, rows, shards)
+        logp, entropy = token_logprobs(hidden, models.unembedding(policy), targets, temperature,
+                                       softcap=policy.config.final_logit_softcap)
+        return packing.unpack(logp, index, shards), packing.unpack(entropy, index, shards)
+
+    return _over_plan(micro, policy, plan)
+
+
+def _value_head(critic: Critic, hidden: jax.Array) -> jax.Array:
+    return hidden.astype(jnp.float32) @ critic.params["head"]["kernel"] + critic.params["head"]["bias"]
+
+
+def packed_critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array, *,
+                         plan: packing.PackPlan) -> jax.Array:
+    """`critic_values` on the packed rows of `plan`: `[B, N]` float32, 0 where the plan packed no token."""
+    shards = plan.shards
+
+    def micro(critic, rows, index):
+        hidden, _ = _packed_hidden(critic.trunk, tokens, rows, shards)
+        return packing.unpack(_value_head(critic, hidden), index, shards)
+
+    return _over_plan(micro, critic, plan)
 
 
 def by_micro_batches(fn: Callable, micro_batches: int) -> Callable:
@@ -209,6 +276,11 @@ def by_micro_batches(fn: Callable, micro_batches: int) -> Callable:
         return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(tokens.shape[0], *x.shape[2:]), out)
 
     return mapped
+
+
+def _log_softmax(policy: Policy, hidden: jax.Array, temperature) -> jax.Array:
+    """`[..., vocab]` log-probs of the next token from final hidden states `[..., hidden]`."""
+    return jax.nn.log_softmax(models.logits_from_hidden(policy, hidden) / temperature, axis=-1)
 
 
 def _full_kl_to_reference(policy: Policy, ref_policy: Policy, tokens, prompt_valid, temperature) -> jax.Array:
@@ -321,7 +393,22 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
     `old_logp` `[B, N]`, and optionally `ref_logp`, `token_weights`, `kl_cov_mask`, `old_values`,
     `returns` `[B, N]`. `grads` is `{"policy": ..., "critic": ...}` (critic only with a critic).
     `ref_policy` is needed only for the exact (`full_kl`) KL.
+
+    A batch with a `plan` (`jaxrl.packing.PackPlan` of its `prompt_valid` and `loss_mask`) runs the models on
+    its packed rows, one micro-batch of the plan's token budget after another (`micro_batches` is then unused).
+    Each micro-batch's log-probs (entropies, values) are unpacked to `[B, N]` and its loss computed there with
+    the loss mask of its own sequences, so every loss piece sees the sampler layout; outside the micro-batch the
+    log-probs are the old ones (ratio 1, masked out) and the values the old values.
     """
+
+    def loss_on(trainable, state: TrainState, micro: Batch, norm, controls: Controls, logp, entropy, values, kl,
+                mask):
+        inputs = LossInputs(logp=logp, old_logp=micro["old_logp"], advantages=micro["advantages"], mask=mask,
+                            entropy=entropy, ref_logp=micro.get("ref_logp"),
+                            token_weights=micro.get("token_weights"), kl_cov_mask=micro.get("kl_cov_mask"),
+                            kl_full=kl, values=values, old_values=micro.get("old_values"),
+                            returns=micro.get("returns"))
+        return loss(inputs, norm, controls)
 
     def micro_loss(trainable, state: TrainState, micro: Batch, norm, controls: Controls, ref_policy):
         policy = state.policy.replace(params=trainable["policy"])
@@ -333,14 +420,30 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         kl = None
         if full_kl:
             kl = _full_kl_to_reference(policy, ref_policy, tokens, prompt_valid, controls.temperature)
-        inputs = LossInputs(logp=logp, old_logp=micro["old_logp"], advantages=micro["advantages"],
-                            mask=micro["loss_mask"], entropy=entropy, ref_logp=micro.get("ref_logp"),
-                            token_weights=micro.get("token_weights"), kl_cov_mask=micro.get("kl_cov_mask"),
-                            kl_full=kl, values=values, old_values=micro.get("old_values"),
-                            returns=micro.get("returns"))
-        return loss(inputs, norm, controls)
+        return loss_on(trainable, state, micro, norm, controls, logp, entropy, values, kl, micro["loss_mask"])
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    def packed_loss(trainable, state: TrainState, batch: Batch, piece, norm, controls: Controls, ref_policy):
+        rows, index = piece
+        shards = batch["plan"].shards
+        policy = state.policy.replace(params=trainable["policy"])
+        hidden, targets = _packed_hidden(policy, batch["tokens"], rows, shards)
+        logp, entropy = token_logprobs(hidden, models.unembedding(policy), targets, controls.temperature,
+                                       softcap=policy.config.final_logit_softcap)
+        logp = packing.unpack(logp, index, shards, fill=batch["old_logp"])
+        entropy = packing.unpack(entropy, index, shards)
+        values = kl = None
+        if state.critic is not None:
+            critic = state.critic.replace(params=trainable["critic"])
+            critic_hidden, _ = _packed_hidden(critic.trunk, batch["tokens"], rows, shards)
+            values = packing.unpack(_value_head(critic, critic_hidden), index, shards,
+                                    fill=batch.get("old_values", 0.0))
+        if full_kl:
+            ref_hidden, _ = _packed_hidden(ref_policy, batch["tokens"], rows, shards)
+            kl = losses.kl_full(_log_softmax(policy, hidden, controls.temperature),
+                                jax.lax.stop_gradient(_log_softmax(ref_policy, ref_hidden, controls.temperature)))
+            kl = packing.unpack(kl, index, shards)
+        mask = batch["loss_mask"] * (index >= 0)
+        return loss_on(trainable, state, batch, norm, controls, logp, entropy, values, kl, mask)
 
     def gradients(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
         if full_kl and ref_policy is None:
@@ -349,25 +452,39 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         if state.critic is not None:
             trainable["critic"] = state.critic.params
         norm = losses.normalizers(batch["loss_mask"], norm_length, batch.get("token_weights"))
-        if micro_batches == 1:
-            (_, metrics), grads = grad_fn(trainable, state, batch, norm, controls, ref_policy)
+        if "plan" in batch:
+            pieces = _plan_micro_batches(batch["plan"])
+            count = batch["plan"].micro_batches
+
+            def piece_loss(trainable, piece):
+                return packed_loss(trainable, state, batch, piece, norm, controls, ref_policy)
+        else:
+            count = micro_batches
+            pieces = _split_micro_batches(batch, micro_batches) if micro_batches > 1 else None
+
+            def piece_loss(trainable, piece):
+                return micro_loss(trainable, state, piece, norm, controls, ref_policy)
+
+        grad_fn = jax.value_and_grad(piece_loss, has_aux=True)
+        if count == 1:
+            (_, metrics), grads = grad_fn(trainable, batch if pieces is None else jax.tree.map(lambda x: x[0],
+                                                                                                pieces))
             return _constrain_trainable(state, grads), metrics
 
-        micro = _split_micro_batches(batch, micro_batches)
-        first = jax.tree.map(lambda x: x[0], micro)
-        (_, shapes), _ = jax.eval_shape(grad_fn, trainable, state, first, norm, controls, ref_policy)
+        first = jax.tree.map(lambda x: x[0], pieces)
+        (_, shapes), _ = jax.eval_shape(grad_fn, trainable, first)
         start = {name: jnp.full(s.shape, -jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min")
                                 else 0.0, s.dtype) for name, s in shapes.items()}
 
-        def accumulate(carry, mb):
+        def accumulate(carry, piece):
             grads, metrics = carry
-            (_, mb_metrics), mb_grads = grad_fn(trainable, state, mb, norm, controls, ref_policy)
+            (_, mb_metrics), mb_grads = grad_fn(trainable, piece)
             grads = _constrain_trainable(state, jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, mb_grads))
             return (grads, losses.reduce_metrics(metrics, mb_metrics)), None
 
         # summed in float32 whatever the parameters' dtype (bf16 sums would round after every micro-batch)
         zeros = _constrain_trainable(state, jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))
-        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), micro)
+        (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, start), pieces)
         return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable), metrics
 
     return gradients
