@@ -261,7 +261,8 @@ def copy_bandwidth(size_bytes: int = 2**30, repeats: int = 10) -> float:
 def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int = 64, completion_len: int = 128,
                 micro_batches: int = 1, repeats: int = 3, seed: int = 0, remat: str = "none",
                 mesh: tuple[int, int, int] = (1, 1, 1), compute_dtype: str | None = None,
-                peak_tflops: float | None = None, donate: bool = True) -> dict:
+                peak_tflops: float | None = None, donate: bool = True, lengths: str = "fixed",
+                packing: str = "off", row_tokens: int | None = None, buckets: int = 8) -> dict:
     """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
 
     The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
@@ -279,6 +280,14 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     `donate` (the training loop's setting) donates the state to the step. `step_memory_bytes` is the compiled
     step's own account of the memory it needs at once: its arguments, outputs and temporaries, less the outputs
     written over donated arguments (`memory_analysis()`; None where the backend gives none).
+
+    `lengths="ragged"`: completion lengths drawn by `ragged_lengths(sequences, completion_len, seed)` (a
+    log-normal with median 25% of `completion_len`, 10% at it); the tokens after each completion's end are
+    padding (`PAD_ID`) and out of the loss mask, as the sampler leaves them. `packing="on"` trains on packed
+    rows (`jaxrl.packing.plan_packing` with `row_tokens` (default: the padded row's `prompt_len +
+    completion_len - 1`) and `buckets`, one plan per step, its host time counted in the step time);
+    `micro_batches` then sets the token budget of a micro-batch, `sequences / micro_batches` padded rows' worth.
+    `useful_tokens_per_s` counts the completion tokens trained (the sum of the lengths) per second.
     """
     import jax
     import jax.numpy as jnp
@@ -294,41 +303,63 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
             raise ValueError(f"{name} must be >= 1, got {value}")
     if sequences % micro_batches:
         raise ValueError(f"sequences ({sequences}) must be divisible by micro_batches ({micro_batches})")
+    if lengths not in ("fixed", "ragged"):
+        raise ValueError(f"lengths must be 'fixed' or 'ragged', got {lengths!r}")
+    if packing not in ("off", "on"):
+        raise ValueError(f"packing must be 'off' or 'on', got {packing!r}")
     if peak_tflops is not None and not 0 < peak_tflops < float("inf"):  # else MFU divides by 0, or is NaN
         raise ValueError(f"peak_tflops must be a positive number, got {peak_tflops}")
     import dataclasses
 
-    from jaxrl.sharding import make_mesh, shard_batch
+    from jaxrl.packing import place_plan, plan_packing
+    from jaxrl.sharding import data_parallel_size, make_mesh, shard_batch
 
     model_name, config = _model_config(model)
     config = dataclasses.replace(config, remat=remat, dtype=compute_dtype or config.dtype)
     layout = models.Layout(make_mesh(*mesh))
     policy = models.shard(models.init(config, seed), layout)
     rng = np.random.default_rng(seed)
-    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (sequences, prompt_len + completion_len)), jnp.int32)
+    tokens = rng.integers(0, config.vocab_size, (sequences, prompt_len + completion_len))
+    completion_lengths = np.full(sequences, completion_len, np.int32)
+    if lengths == "ragged":
+        completion_lengths = ragged_lengths(sequences, completion_len, seed)
+    loss_mask = np.arange(completion_len)[None] < completion_lengths[:, None]
+    tokens[:, prompt_len:][~loss_mask] = PAD_ID
+    tokens = jnp.asarray(tokens, jnp.int32)
     prompt_valid = jnp.ones((sequences, prompt_len), bool)
     old_logp, _ = jax.jit(completion_logprobs)(policy, tokens, prompt_valid)
     advantages = np.repeat(rng.standard_normal((sequences, 1)).astype(np.float32), completion_len, axis=1)
     batch = {"tokens": tokens, "prompt_valid": prompt_valid, "old_logp": old_logp,
-             "advantages": jnp.asarray(advantages), "loss_mask": jnp.ones((sequences, completion_len), bool)}
+             "advantages": jnp.asarray(advantages * loss_mask), "loss_mask": jnp.asarray(loss_mask)}
     batch = shard_batch(jax.device_get(batch), layout.mesh)
+    host_prompt_valid, host_mask = np.asarray(prompt_valid), loss_mask
+    shards = data_parallel_size(layout.mesh)
+
+    def with_plan(batch):  # the host's planning, part of each packed step as in the training loop
+        if packing == "off":
+            return batch
+        plan = plan_packing(host_prompt_valid, host_mask, row_tokens=row_tokens, shards=shards, buckets=buckets,
+                            micro_rows=None if micro_batches == 1 else sequences // (micro_batches * shards),
+                            row_field="--row-tokens")
+        return {**batch, "plan": place_plan(plan, batch["tokens"])}
     optimizer = make_optimizer(learning_rate=1e-5)
     loss = losses.policy_term("ppo_clip", ratio="token", aggregation="token-mean", eps_low=0.2, eps_high=0.2)
-    step = make_rl_step(optimizer, loss, micro_batches=micro_batches, donate=donate)
+    step = make_rl_step(optimizer, loss, micro_batches=micro_batches if packing == "off" else 1, donate=donate)
     controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
     state = jax.block_until_ready(init_train_state(policy, optimizer))
 
     start = time.perf_counter()
-    step = step.lower(state, batch, controls).compile()  # compiled once: timed, and its memory read below
+    planned = with_plan(batch)
+    step = step.lower(state, planned, controls).compile()  # compiled once: timed, and its memory read below
     memory = step.memory_analysis()
-    state, metrics = jax.block_until_ready(step(state, batch, controls))
+    state, metrics = jax.block_until_ready(step(state, planned, controls))
     first = time.perf_counter() - start
     if not np.isfinite(float(metrics["policy_loss"])):
         raise RuntimeError(f"the benchmark step's loss is not finite: {float(metrics['policy_loss'])}")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        state, metrics = jax.block_until_ready(step(state, batch, controls))
+        state, metrics = jax.block_until_ready(step(state, with_plan(batch), controls))
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     peak, peak_source = _peak_memory()
@@ -336,6 +367,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
                                                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
     device = jax.devices()[0]
     tokens_per_s = sequences * (prompt_len + completion_len) / step_s
+    useful_tokens = int(completion_lengths.sum())
+    packed_shape = None if packing == "off" else list(planned["plan"].gather.shape)
     model_tflops = train_flops_per_token(config, prompt_len + completion_len) * tokens_per_s / 1e12
     return {
         "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
@@ -343,7 +376,9 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
         "micro_batches": micro_batches, "repeats": repeats, "seed": seed,
         "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s, "step_times_s": times,
-        "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops,
+        "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops, "lengths": lengths, "packing": packing,
+        "useful_tokens": useful_tokens, "useful_tokens_per_s": useful_tokens / step_s,
+        "packed_rows": packed_shape, "buckets": buckets,
         "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
         "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate,
         "step_memory_bytes": step_memory, "platform": device.platform,
@@ -383,6 +418,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the devices' total peak TFLOP/s in the compute dtype: report MFU")
     parser.add_argument("--no-donate", action="store_true",
                         help="keep the input state alive through the step (the training loop donates it)")
+    parser.add_argument("--lengths", choices=("fixed", "ragged"), default="fixed",
+                        help="completion lengths: all --completion-len, or long-tailed (ragged_lengths: log-normal, "
+                             "median 25%% of --completion-len, 10%% at it; seeded by --seed) (default: fixed)")
+    parser.add_argument("--packing", choices=("off", "on", "compare"), default="off",
+                        help="padded rows, packed rows (jaxrl.packing), or both in this process and their ratio "
+                             "(default: off)")
+    parser.add_argument("--row-tokens", type=int, default=None,
+                        help="packed row length (default: prompt-len + completion-len - 1)")
+    parser.add_argument("--buckets", type=int, default=8, help="static packed row counts (default: 8)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -394,24 +438,41 @@ def run_train(args: argparse.Namespace) -> int:
             mesh = ()
         if len(mesh) != 3:
             raise ValueError(f"--mesh {args.mesh!r}: expected three sizes data,fsdp,tensor, e.g. 1,-1,1")
-        r = bench_train(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
-                        completion_len=args.completion_len, micro_batches=args.micro_batches,
-                        repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
-                        compute_dtype=args.dtype, peak_tflops=args.peak_tflops, donate=not args.no_donate)
+        kwargs = dict(model=args.model, sequences=args.sequences, prompt_len=args.prompt_len,
+                      completion_len=args.completion_len, micro_batches=args.micro_batches,
+                      repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
+                      compute_dtype=args.dtype, peak_tflops=args.peak_tflops, donate=not args.no_donate,
+                      lengths=args.lengths, row_tokens=args.row_tokens, buckets=args.buckets)
+        modes = ("off", "on") if args.packing == "compare" else (args.packing,)
+        results = [bench_train(**kwargs, packing=mode) for mode in modes]
     except (ValueError, RuntimeError) as e:
         print(f"jaxrl: bench error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(r), flush=True)
+    if len(results) == 2:
+        padded, packed = results
+        speedup = packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"]
+        print(json.dumps({"benchmark": "train_compare", "padded": padded, "packed": packed,
+                          "speedup_useful_tokens_per_s": speedup}), flush=True)
+    else:
+        print(json.dumps(results[0]), flush=True)
+    r = results[0]
     print()
-    print("| model | sequences x tokens | training tokens/s | step time | compile | peak memory |\n"
-          "|---|---|---|---|---|---|")
-    print(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}, mesh "
-          f"{'x'.join(map(str, r['mesh']))}) | {r['sequences']} x "
-          f"({r['prompt_len']} + {r['completion_len']}) | {r['tokens_per_s']:.1f} | {r['step_s']:.3f} s "
-          f"| {r['compile_s']:.2f} s | {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
+    print("| model | rows | sequences x tokens | useful tokens/s | training tokens/s | step time | compile "
+          "| peak memory |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        rows = "padded" if r["packing"] == "off" else "packed {} x {}".format(*r["packed_rows"])
+        print(f"| {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}, mesh "
+              f"{'x'.join(map(str, r['mesh']))}) | {rows} | {r['sequences']} x ({r['prompt_len']} + "
+              f"{r['completion_len']} {r['lengths']}) | {r['useful_tokens_per_s']:.1f} | {r['tokens_per_s']:.1f} "
+              f"| {r['step_s']:.3f} s | {r['compile_s']:.2f} s | {_gib(r['peak_memory_bytes'])} "
+              f"({r['peak_memory_source']}) |")
     print()
+    if len(results) == 2:
+        print(f"packed / padded useful tokens/s: {speedup:.2f}x "
+              f"({results[0]['useful_tokens']} completion tokens per step; both modes in this process, peak memory "
+              "is the process's so far)")
     mfu = "" if r["mfu"] is None else f", MFU {100 * r['mfu']:.1f}%"
-    print(f"model FLOPs: {r['model_tflops_per_s']:.3f} TFLOP/s{mfu}")
+    print(f"model FLOPs (padded rows' count): {r['model_tflops_per_s']:.3f} TFLOP/s{mfu}")
     if r["step_memory_bytes"] is not None:
         print(f"the compiled step needs {_gib(r['step_memory_bytes'])} at once (state "
               f"{'donated' if r['donate'] else 'not donated'})")

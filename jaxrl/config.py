@@ -101,6 +101,25 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackingConfig:
+    """Packed training (jaxrl.packing): the update and the old/reference log-prob and value passes run on rows
+    of `row_tokens` positions holding whole sequences (segment ids keep them apart) instead of one padded row
+    per sequence, and micro-batches hold a token budget instead of a count of sequences. Same losses and
+    gradients as the padded rows (to float32 rounding: sums run in another order)."""
+
+    enabled: bool = False
+    # Positions per packed row; 0: the padded row's (prompt width + completion tokens - 1), which every
+    # sequence fits. A sequence longer than a row is an error at plan time naming this field.
+    row_tokens: int = _field(0, ge=0)
+    # Tokens of one micro-batch over all data-parallel devices (rows x row_tokens; rounded down to whole rows
+    # of every data shard); 0: the padded micro-batch's, 1 / rl.micro_batches of the mini-batch's rows.
+    micro_batch_tokens: int = _field(0, ge=0)
+    # Static sizes the number of rows (or of micro-batches) is rounded up to: a run compiles each packed
+    # program at most this many times per batch shape.
+    buckets: int = _field(8, gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches` optimizer
     steps per batch, each accumulated over `micro_batches`; the objective is `loss` (see jaxrl.losses)."""
@@ -128,6 +147,7 @@ class RLConfig:
     loss: LossConfig = _section(LossConfig)
     critic: CriticConfig = _section(CriticConfig)
     optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
+    packing: PackingConfig = _section(PackingConfig)
 
     def validate(self) -> None:
         if self.sampling.temperature <= 0:
@@ -136,6 +156,13 @@ class RLConfig:
         if batch % (self.minibatches * self.micro_batches):
             raise ValueError(f"prompts_per_step * group_size = {batch} is not divisible by minibatches x "
                              f"micro_batches = {self.minibatches} x {self.micro_batches}")
+        packing = self.packing
+        if packing.enabled and packing.micro_batch_tokens and self.micro_batches > 1:
+            raise ValueError(f"packing.micro_batch_tokens ({packing.micro_batch_tokens}) and micro_batches "
+                             f"({self.micro_batches}) both set the micro-batch size: set one of them")
+        if packing.row_tokens and packing.micro_batch_tokens and packing.micro_batch_tokens < packing.row_tokens:
+            raise ValueError(f"packing.micro_batch_tokens ({packing.micro_batch_tokens}) is smaller than one row "
+                             f"(packing.row_tokens = {packing.row_tokens})")
         if (self.critic.model == "separate") != bool(self.critic.checkpoint):
             raise ValueError("critic.model 'separate' loads its network from critic.checkpoint (and only it does): "
                              f"got critic.model={self.critic.model!r}, critic.checkpoint={self.critic.checkpoint!r}")

@@ -182,8 +182,9 @@ def place_plan(plan: PackPlan, like: jax.Array) -> PackPlan:
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, partition),
                                             lambda index: x[index])
-    return plan.replace(gather=put(plan.gather, spec(BATCH_AXES)), segments=put(plan.segments, spec(BATCH_AXES)),
-                        positions=put(plan.positions, spec(BATCH_AXES)), unpack=put(plan.unpack, spec(None, BATCH_AXES)))
+    rows = spec(BATCH_AXES)
+    return plan.replace(gather=put(plan.gather, rows), segments=put(plan.segments, rows),
+                        positions=put(plan.positions, rows), unpack=put(plan.unpack, spec(None, BATCH_AXES)))
 
 
 def data_shards(like: jax.Array) -> int:
@@ -230,3 +231,38 @@ def unpack(values: jax.Array, index: jax.Array, shards: int, fill: jax.Array | f
     (`PackPlan.unpack[m]`); `fill` (a scalar or `[B, N]`) where the index is -1."""
     gathered = _by_shard(lambda flat, i: flat[jnp.maximum(i, 0)], shards, values, index).reshape(index.shape)
     return jnp.where(index >= 0, gathered, fill)
+
+
+class Packer:
+    """The run's planner (`rl.packing` of the config, `rl.micro_batches`): `packer(prompt_valid, mask, like)`
+    -> the `PackPlan` of a batch, placed beside `like` (its tokens). `mask` `[B, N]` marks the tokens to score
+    (the completion mask for the log-prob passes, the loss mask for an update); arrays may be global jax arrays
+    of a multi-process run (every process plans the whole batch, and keeps its shards).
+
+    Micro-batch budget: `micro_batch_tokens` over all data shards, rounded down to whole rows of each shard; or
+    (0) the padded micro-batch's, `B / (micro_batches x shards)` rows of each shard; or one micro-batch when
+    `micro_batches` is 1.
+    """
+
+    def __init__(self, config, micro_batches: int = 1):
+        self.config, self.micro_batches = config, micro_batches
+
+    def micro_rows(self, batch: int, row: int, shards: int) -> int | None:
+        budget = self.config.micro_batch_tokens
+        if budget:
+            rows = budget // (row * shards)
+            if rows < 1:
+                raise PackingError(f"rl.packing.micro_batch_tokens = {budget} holds no row of {row} positions on "
+                                   f"each of the {shards} data shards; use at least {row * shards}")
+            return rows
+        if self.micro_batches > 1:
+            return max(1, batch // (self.micro_batches * shards))
+        return None
+
+    def __call__(self, prompt_valid, mask, like: jax.Array) -> PackPlan:
+        prompt_valid, mask = host_rows(prompt_valid), host_rows(mask)
+        shards = data_shards(like)
+        row = self.config.row_tokens or prompt_valid.shape[1] + mask.shape[1] - 1
+        plan = plan_packing(prompt_valid, mask, row_tokens=row, shards=shards, buckets=self.config.buckets,
+                            micro_rows=self.micro_rows(prompt_valid.shape[0], row, shards))
+        return place_plan(plan, like)

@@ -254,3 +254,35 @@ def test_a_packed_step_on_eight_data_shards_equals_the_padded_single_device_step
     result = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env, cwd=os.path.dirname(here),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- the run loop
+
+
+@pytest.mark.parametrize("preset", ["dapo", "ppo"])
+def test_the_default_recipe_gives_the_same_metrics_with_packing_on_and_off(preset, tmp_path, monkeypatch):
+    """Two RL steps of the default recipe (tiny sizes, 2 minibatches x 2 micro-batches; PPO with a critic):
+    packing on (old/ref log-probs, values and every update on packed rows) logs the metrics of packing off, to
+    float32 rounding (the attention sums run over rows of another length)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_rl_step import PRESET_ARGS, _run
+
+    off, _ = _run(tmp_path / "off", monkeypatch, *PRESET_ARGS[preset])
+    on, _ = _run(tmp_path / "on", monkeypatch, *PRESET_ARGS[preset], "rl.packing.enabled=true")
+    assert [r["step"] for r in on] == [1, 2]
+    for a, b in zip(off, on):
+        for name, value in a.items():
+            if name.startswith(("train/", "batch/", "reward/")) and isinstance(value, float):
+                assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def test_a_micro_batch_budget_without_a_whole_row_names_the_field():
+    from jaxrl.config import PackingConfig
+    from jaxrl.packing import Packer
+
+    tokens, prompt_valid, mask = ragged(0)
+    packer = Packer(PackingConfig(enabled=True, micro_batch_tokens=8), micro_batches=1)
+    with pytest.raises(PackingError, match="rl.packing.micro_batch_tokens = 8 holds no row of 17 positions"):
+        packer(prompt_valid, mask, tokens)
+    plan = Packer(PackingConfig(enabled=True, micro_batch_tokens=40), micro_batches=1)(prompt_valid, mask, tokens)
+    assert plan.gather.shape[0] == 2 * plan.micro_batches  # 40 tokens: two rows of 17 per micro-batch

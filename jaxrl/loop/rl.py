@@ -32,6 +32,7 @@ from jaxrl.loop.episodes import episode_metrics, turn_credit_arrays
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, sample_rollout, score, shaped_rewards
 from jaxrl.metrics import MetricsWriter
+from jaxrl.packing import host_rows
 from jaxrl.rewards.scoring import RewardScorer
 from jaxrl.samples import SampleLog, sequence_advantages
 from jaxrl.sampling import FINISH_LENGTH, compiled_programs
@@ -207,7 +208,8 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
                                   s.ref_policy, s.prompts, background=True)))
     warming_up = programs.critic_warmup is not None and step <= rl.critic.warmup_steps
     state, metrics = rl_update(s.train, programs.critic_warmup if warming_up else programs.update, train_batch,
-                               s.controls, config, step, s.ref_policy if rl.loss.needs_full_kl else None)
+                               s.controls, config, step, s.ref_policy if rl.loss.needs_full_kl else None,
+                               programs.pack)
     if warming_up:
         record["train/critic_warmup"] = 1.0
     s = dataclasses.replace(s, train=state)
@@ -229,12 +231,13 @@ def batch_for_update(ctx: RLContext, s: LoopState, produced: RolloutResult) -> d
     programs, batch = ctx.programs, produced.batch
     if batch is None:
         return rollout_batch(s.train, programs.logprobs, programs.values, produced.generation.rollout,
-                             ctx.config.rl.loss, s.controls, s.ref_policy)
+                             ctx.config.rl.loss, s.controls, s.ref_policy, programs.pack)
     if "ref_logp" in batch and (s.drawn_with[0] is not s.ref_policy
                                 or s.drawn_with[1] != float(s.controls.temperature)):
         # drawn before a reference reset or a temperature change: recomputed for the KL terms
+        extra = {"plan": batch["pack_plan"]} if "pack_plan" in batch else {}
         batch = {**batch, "ref_logp": programs.logprobs(s.ref_policy, batch["tokens"], batch["prompt_valid"],
-                                                        s.controls.temperature)[0]}
+                                                        s.controls.temperature, **extra)[0]}
     return batch
 
 
@@ -318,21 +321,26 @@ def flushes_after(config: Config, step: int) -> bool:
     return step == config.rl.steps or bool(config.checkpoint.every and step % config.checkpoint.every == 0)
 
 
-def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None):
+def rl_update(state, step_fn, batch: dict, controls: Controls, config: Config, step: int, ref_policy=None,
+              pack=None):
     """`epochs x minibatches` optimizer steps on one prepared rollout batch; returns (state, metrics over
     the steps: `losses.mean_over_updates`, weighted by each minibatch's loss tokens but for the updates' own
     `_PER_UPDATE_METRICS`).
 
-    Minibatches are drawn by a permutation seeded by (seed, step).
+    Minibatches are drawn by a permutation seeded by (seed, step). With `pack` (packed training) each
+    minibatch is planned after the permutation, from its prompts and loss mask, and carries its `plan`.
     """
     size = batch["tokens"].shape[0] // config.rl.minibatches
     order_rng = np.random.default_rng([config.seed, 3, step])
+    host = None if pack is None else (host_rows(batch["prompt_valid"]), host_rows(batch["loss_mask"]))
     collected = []
     for _ in range(config.rl.epochs):
         order = order_rng.permutation(batch["tokens"].shape[0]) if config.rl.minibatches > 1 else None
         for m in range(config.rl.minibatches):
-            minibatch = batch if order is None else jax.tree.map(
-                lambda x: x[order[m * size:(m + 1) * size]], batch)
+            rows = slice(None) if order is None else order[m * size:(m + 1) * size]
+            minibatch = batch if order is None else jax.tree.map(lambda x: x[rows], batch)
+            if pack is not None:
+                minibatch = {**minibatch, "plan": pack(host[0][rows], host[1][rows], minibatch["tokens"])}
             state, metrics = step_fn(state, minibatch, controls, ref_policy)
             collected.append(metrics)
     # Averaged on the host: an eager program on the batch here (a token count, say) would run beside the

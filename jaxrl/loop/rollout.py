@@ -86,10 +86,13 @@ def shaped_rewards(scored: ScoredBatch, generation: Generation, config: Config) 
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
-                  controls: Controls, ref_policy=None) -> dict:
+                  controls: Controls, ref_policy=None, pack=None) -> dict:
     """A rollout (global arrays on the mesh) with what the objective needs from the sampling-time models
     `[B, N]`: `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic)
     when used.
+
+    With `pack` (`StepPrograms.pack`, packed training) the passes run on the packed rows of the completions
+    (up to each one's last generated token), `logprob_fn` and `value_fn` taking the plan, kept as `pack_plan`.
 
     The device computations are only dispatched here: the device runs them while the host scores the
     rewards of the same rollout.
@@ -98,13 +101,16 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
              "completion_mask": rollout.completion_mask, "sampler_logp": rollout.sampler_logp,
              "truncated": rollout.finish_reason == FINISH_LENGTH}
     tokens, prompt_valid = batch["tokens"], batch["prompt_valid"]
-    batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature)
+    extra = {}
+    if pack is not None:
+        batch["pack_plan"] = extra["plan"] = pack(prompt_valid, batch["completion_mask"], tokens)
+    batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature, **extra)
     if loss_config.needs_entropy:
         batch["entropy"] = entropy
     if loss_config.needs_ref_logp:
-        batch["ref_logp"] = logprob_fn(ref_policy, tokens, prompt_valid, controls.temperature)[0]
+        batch["ref_logp"] = logprob_fn(ref_policy, tokens, prompt_valid, controls.temperature, **extra)[0]
     if state.critic is not None:
-        batch["old_values"] = value_fn(state.critic, tokens, prompt_valid)
+        batch["old_values"] = value_fn(state.critic, tokens, prompt_valid, **extra)
     return batch
 
 
@@ -127,7 +133,7 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
         batch = None
         if background and not dynamic:  # dispatched first: the device computes it while the host scores
             batch = rollout_batch(state, programs.logprobs, programs.values, generation.rollout, rl.loss,
-                                  controls, ref_policy)
+                                  controls, ref_policy, programs.pack)
         t2 = time.perf_counter()
         scored = score(sampler.scorer, problems, generation.texts, rl.group_size) if background or dynamic else None
         sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
@@ -146,7 +152,7 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
     if not background:
         return result
     return with_batch(result, rollout_batch(state, programs.logprobs, programs.values, result.generation.rollout,
-                                            rl.loss, controls, ref_policy))
+                                            rl.loss, controls, ref_policy, programs.pack))
 
 
 def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> RolloutResult:

@@ -26,8 +26,10 @@ from jaxrl.loop.generate import Generator
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
 from jaxrl.tokenizer import BaseTokenizer, ChatTemplateError, TokenizerError, load_tokenizer, train_tokenizer
+from jaxrl.packing import Packer
 from jaxrl.train import (TrainState, by_micro_batches, completion_logprobs, critic_values, init_critic,
-                         init_train_state, make_optimizer, make_rl_step)
+                         init_train_state, make_optimizer, make_rl_step, packed_completion_logprobs,
+                         packed_critic_values)
 
 log = logging.getLogger("jaxrl")
 
@@ -231,10 +233,13 @@ class StepPrograms:
 
     update: Callable  # (state, batch, controls, ref_policy) -> (state, metrics): `train.make_rl_step`
     critic_warmup: Callable | None  # the same, training only the critic (rl.critic.warmup_steps)
-    logprobs: Callable  # (policy, tokens, prompt_valid, temperature) -> (logp [B, N], entropy [B, N])
-    values: Callable  # (critic, tokens, prompt_valid) -> values [B, N]
+    logprobs: Callable  # (policy, tokens, prompt_valid, temperature[, plan=]) -> (logp [B, N], entropy [B, N])
+    values: Callable  # (critic, tokens, prompt_valid[, plan=]) -> values [B, N]
     prepare: Callable  # `losses.prepare_batch` for this config: rewards -> advantages and the batch's fields
     component_weights: dict[str, float]  # reward component -> weight; the `[B, K]` columns' order
+    # rl.packing.enabled: (prompt_valid, mask, like) -> PackPlan (`jaxrl.packing.Packer`); logprobs and values
+    # then take the plan (`plan=`) and the update a batch with one (`"plan"`). None: padded rows.
+    pack: Packer | None = None
 
 
 def step_programs(config: Config) -> StepPrograms:
@@ -250,9 +255,14 @@ def step_programs(config: Config) -> StepPrograms:
     update = make_rl_step(optimizer, objective, **step_args)
     warmup = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
     # the rollout's log-probs and values in rl.micro_batches groups of rows: the train step's activation bound
-    logprobs = jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches))
-    values = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
+    # (packed: in micro-batches of the plan's token budget)
+    pack = Packer(rl.packing, rl.micro_batches) if rl.packing.enabled else None
+    if pack is None:
+        logprobs = jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches))
+        values = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
+    else:
+        logprobs, values = jax.jit(packed_completion_logprobs), jax.jit(packed_critic_values)
     component_weights = config.component_weights()
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         component_weights=tuple(component_weights.values())))
-    return StepPrograms(update, warmup, logprobs, values, prepare, component_weights)
+    return StepPrograms(update, warmup, logprobs, values, prepare, component_weights, pack)
