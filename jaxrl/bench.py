@@ -1,5 +1,6 @@
 """Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload, and
-`jaxrl bench train [options]`, the RL train step's (`bench_train`).
+`jaxrl bench train [options]`, the RL train step's (`bench_train`; `--lengths ragged` draws long-tailed completion
+lengths, `--packing on|off|compare` trains on packed or padded rows).
 
     jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
                        [--no-prefix-sharing | --compare] [--decode-segments N] [--kv-cache compute|int8]

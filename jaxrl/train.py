@@ -6,6 +6,9 @@ function that closes over the static pieces (optimizer, loss terms) as PureJaxRL
 The RL step takes one optimiser mini-batch and, with `micro_batches > 1`, accumulates gradients over
 micro-batches in a `lax.scan`. Every loss term normalises by counts of the whole mini-batch
 (`losses.Normalizers`), so the accumulated loss and gradient equal those of the unsplit mini-batch.
+
+A mini-batch with a `plan` (`jaxrl.packing`) runs the models on packed rows instead, one token-budget micro-batch
+after another; `packed_completion_logprobs` and `packed_critic_values` are the packed log-prob and value passes.
 """
 
 from __future__ import annotations
@@ -496,7 +499,7 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     """One optimizer step of `loss` (any composition of `jaxrl.losses` terms, or your own) on a mini-batch.
 
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
-    `make_rl_gradients` for the batch. Metrics: the loss terms' metrics, `grad_norm` (policy, before
+    `make_rl_gradients` for the batch (with a `plan`: packed rows). Metrics: the loss terms' metrics, `grad_norm` (policy, before
     clipping), `critic_grad_norm` with a critic, `skipped`: 1.0 when the loss or a gradient was not finite
     or the update would make a parameter or optimizer-state array non-finite (`_apply_if_finite`), in which
     case the state is returned unchanged (parameters, optimizer state and step count), `nonfinite_update`:

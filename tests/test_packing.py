@@ -267,13 +267,22 @@ def test_the_default_recipe_gives_the_same_metrics_with_packing_on_and_off(prese
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_rl_step import PRESET_ARGS, _run
 
+    from jaxrl.packing import Packer
+
     off, _ = _run(tmp_path / "off", monkeypatch, *PRESET_ARGS[preset])
+    plans, plan = [], Packer.__call__
+    monkeypatch.setattr(Packer, "__call__", lambda self, *a: plans.append(plan(self, *a)) or plans[-1])
     on, _ = _run(tmp_path / "on", monkeypatch, *PRESET_ARGS[preset], "rl.packing.enabled=true")
     assert [r["step"] for r in on] == [1, 2]
+    assert len(plans) == 2 * (1 + 2)  # each step: the rollout's passes, then each of 2 minibatches
+    assert all(p.micro_batches >= 1 and p.gather.shape[0] % p.micro_batches == 0 for p in plans)
+    worst = 0.0
     for a, b in zip(off, on):
         for name, value in a.items():
             if name.startswith(("train/", "batch/", "reward/")) and isinstance(value, float):
                 assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+                worst = max(worst, abs(b[name] - value) / max(abs(value), 1e-5))
+    print(f"largest relative difference of a metric: {worst:.2e}")
 
 
 def test_a_micro_batch_budget_without_a_whole_row_names_the_field():
