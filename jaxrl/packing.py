@@ -43,6 +43,8 @@ class PackPlan:
       rows held by the sequence's data shard of the position that predicts completion token j of sequence b;
       -1 where sequence b has no token j or sits in another micro-batch.
     shards: static number of data-parallel shards the rows are split over (R and B are multiples of it).
+    max_segments: static bound on the sequences of one row, a power of two (`models.apply`'s `max_segments`, for
+      the cuDNN kernel; a power of two so that a run compiles few values of it).
 
     Micro-batch m holds rows m, m + M, m + 2M, ... (as `train._split_micro_batches` groups rows), so each spans
     every data shard.
@@ -53,6 +55,7 @@ class PackPlan:
     positions: jax.Array
     unpack: jax.Array
     shards: int = struct.field(pytree_node=False, default=1)
+    max_segments: int = struct.field(pytree_node=False, default=1)
 
     @property
     def micro_batches(self) -> int:
@@ -165,7 +168,8 @@ def plan_packing(prompt_valid: np.ndarray, mask: np.ndarray, *, row_tokens: int 
                 positions[g, span] = np.arange(n)
                 unpack[m, i, :c] = q * row + offset + p - 1 + np.arange(c)
                 offset += n
-    return PackPlan(gather, segments, positions, unpack, shards)
+    most = max((len(members) for bins in rows_of for members in bins), default=1)
+    return PackPlan(gather, segments, positions, unpack, shards, 1 << (most - 1).bit_length())
 
 
 def place_plan(plan: PackPlan, like: jax.Array) -> PackPlan:

@@ -194,11 +194,12 @@ def critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Array) ->
     return _value_head(critic, _completion_hidden(critic.trunk, tokens, prompt_valid))
 
 
-def _packed_hidden(policy: Policy, tokens: jax.Array, rows: dict, shards: int) -> tuple[jax.Array, jax.Array]:
-    """`(hidden [r, S, hidden], targets [r, S])` of packed rows (`rows`: a plan's `gather`, `segments`,
+def _packed_hidden(policy: Policy, tokens: jax.Array, rows: dict, plan: packing.PackPlan
+                   ) -> tuple[jax.Array, jax.Array]:
+    """`(hidden [r, S, hidden], targets [r, S])` of packed rows (`rows`: `plan`'s `gather`, `segments`,
     `positions`, each `[r, S]`): final hidden states, and at each position the token it predicts."""
-    inputs, targets = packing.pack_rows(tokens, rows["gather"], shards)
-    hidden, _ = models.apply(policy, inputs, rows["positions"], rows["segments"])
+    inputs, targets = packing.pack_rows(tokens, rows["gather"], plan.shards)
+    hidden, _ = models.apply(policy, inputs, rows["positions"], rows["segments"], max_segments=plan.max_segments)
     return hidden, targets
 
 
@@ -237,7 +238,7 @@ def packed_completion_logprobs(policy: Policy, tokens: jax.Array, prompt_valid: 
     shards = plan.shards
 
     def micro(policy, rows, index):
-        hidden, targets = _packed_hidden(policy, tokens, rows, shards)
+        hidden, targets = _packed_hidden(policy, tokens, rows, plan)
         logp, entropy = token_logprobs(hidden, models.unembedding(policy), targets, temperature,
                                        softcap=policy.config.final_logit_softcap)
         return packing.unpack(logp, index, shards), packing.unpack(entropy, index, shards)
@@ -255,7 +256,7 @@ def packed_critic_values(critic: Critic, tokens: jax.Array, prompt_valid: jax.Ar
     shards = plan.shards
 
     def micro(critic, rows, index):
-        hidden, _ = _packed_hidden(critic.trunk, tokens, rows, shards)
+        hidden, _ = _packed_hidden(critic.trunk, tokens, rows, plan)
         return packing.unpack(_value_head(critic, hidden), index, shards)
 
     return _over_plan(micro, critic, plan)
@@ -427,9 +428,10 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
 
     def packed_loss(trainable, state: TrainState, batch: Batch, piece, norm, controls: Controls, ref_policy):
         rows, index = piece
-        shards = batch["plan"].shards
+        plan = batch["plan"]
+        shards = plan.shards
         policy = state.policy.replace(params=trainable["policy"])
-        hidden, targets = _packed_hidden(policy, batch["tokens"], rows, shards)
+        hidden, targets = _packed_hidden(policy, batch["tokens"], rows, plan)
         logp, entropy = token_logprobs(hidden, models.unembedding(policy), targets, controls.temperature,
                                        softcap=policy.config.final_logit_softcap)
         logp = packing.unpack(logp, index, shards, fill=batch["old_logp"])
@@ -437,11 +439,11 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         values = kl = None
         if state.critic is not None:
             critic = state.critic.replace(params=trainable["critic"])
-            critic_hidden, _ = _packed_hidden(critic.trunk, batch["tokens"], rows, shards)
+            critic_hidden, _ = _packed_hidden(critic.trunk, batch["tokens"], rows, plan)
             values = packing.unpack(_value_head(critic, critic_hidden), index, shards,
                                     fill=batch.get("old_values", 0.0))
         if full_kl:
-            ref_hidden, _ = _packed_hidden(ref_policy, batch["tokens"], rows, shards)
+            ref_hidden, _ = _packed_hidden(ref_policy, batch["tokens"], rows, plan)
             kl = losses.kl_full(_log_softmax(policy, hidden, controls.temperature),
                                 jax.lax.stop_gradient(_log_softmax(ref_policy, ref_hidden, controls.temperature)))
             kl = packing.unpack(kl, index, shards)
@@ -499,12 +501,12 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     """One optimizer step of `loss` (any composition of `jaxrl.losses` terms, or your own) on a mini-batch.
 
     Returns jitted `step(state, batch, controls, ref_policy=None) -> (state, metrics)`; see
-    `make_rl_gradients` for the batch (with a `plan`: packed rows). Metrics: the loss terms' metrics, `grad_norm` (policy, before
-    clipping), `critic_grad_norm` with a critic, `skipped`: 1.0 when the loss or a gradient was not finite
-    or the update would make a parameter or optimizer-state array non-finite (`_apply_if_finite`), in which
-    case the state is returned unchanged (parameters, optimizer state and step count), `nonfinite_update`:
-    1.0 for the latter cause alone (finite loss and gradients, non-finite result), and `loss_tokens`: the
-    mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
+    `make_rl_gradients` for the batch (with a `plan`: packed rows). Metrics: the loss terms' metrics,
+    `grad_norm` (policy, before clipping), `critic_grad_norm` with a critic, `skipped`: 1.0 when the loss or a
+    gradient was not finite or the update would make a parameter or optimizer-state array non-finite
+    (`_apply_if_finite`), in which case the state is returned unchanged (parameters, optimizer state and step
+    count), `nonfinite_update`: 1.0 for the latter cause alone (finite loss and gradients, non-finite result),
+    and `loss_tokens`: the mini-batch's loss tokens (weights for averaging updates, `jaxrl.loop.rl_update`).
     `update_policy=False` trains only the critic (PPO's critic warm-up): the policy and its optimizer state
     stay as they are.
 

@@ -72,6 +72,9 @@ def check_plan(plan, prompt_valid, mask, row_tokens, shards):
             assert np.array_equal(gather[g, where], local * width + lp - prompt_len[i] + np.arange(n))
             assert np.array_equal(positions[g, where], np.arange(n))
     assert set(placed) == {i for i in range(b) if completion_len[i] > 0}
+    most = max(segments.max(1).max(), 1)
+    bound = plan.max_segments
+    assert most <= bound < 2 * most and bound & (bound - 1) == 0  # a power of two
     micro = plan.micro_batches
     for i in range(b):
         c = completion_len[i]
@@ -147,6 +150,31 @@ def test_packed_logprobs_entropy_and_values_equal_the_padded_ones(micro_rows, ro
     values = jax.jit(packed_critic_values)(critic, tokens, prompt_valid, plan=plan)
     np.testing.assert_allclose(np.asarray(values)[scored], np.asarray(critic_values(critic, tokens, prompt_valid))[
         scored], rtol=TOL, atol=TOL)
+
+
+def test_packed_logprobs_through_the_cudnn_packed_kernel_get_enough_segments(monkeypatch):
+    """The plan's `max_segments` bounds every row (the cuDNN kernel gives NaN past it): with the kernel's
+    semantics rendered on the CPU (`tests/test_models_packed.py`), bf16 packed log-probs are finite and match the
+    padded XLA ones."""
+    import importlib
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_models_packed import _ragged_attention_on_cpu
+
+    module = importlib.import_module("jaxrl.kernels.attention")
+    monkeypatch.setattr(module, "cudnn_packed_available", lambda mesh=None: True)
+    monkeypatch.setattr(module, "_cudnn_ragged_attention", _ragged_attention_on_cpu)
+    policy = models.init(dataclasses.replace(MODEL, dtype="bfloat16"), 0)
+    tokens, prompt_valid, mask = ragged(2)
+    plan = plan_packing(prompt_valid, mask, row_tokens=40)
+    assert plan.max_segments > 1
+    _, completion_len = sequence_lengths(np.asarray(prompt_valid), mask)
+    scored = np.arange(N)[None] < completion_len[:, None]
+    want = np.asarray(completion_logprobs(policy, tokens, prompt_valid)[0])[scored]
+    cudnn = models.replace_config(policy, attention_impl="cudnn")
+    got = np.asarray(jax.jit(packed_completion_logprobs)(cudnn, tokens, prompt_valid, plan=plan)[0])[scored]
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
 # --------------------------------------------------------------------------- losses and gradients
@@ -295,3 +323,17 @@ def test_a_micro_batch_budget_without_a_whole_row_names_the_field():
         packer(prompt_valid, mask, tokens)
     plan = Packer(PackingConfig(enabled=True, micro_batch_tokens=40), micro_batches=1)(prompt_valid, mask, tokens)
     assert plan.gather.shape[0] == 2 * plan.micro_batches  # 40 tokens: two rows of 17 per micro-batch
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.packing.micro_batch_tokens=4096", "rl.micro_batches=2"], "both set the micro-batch size"),
+    (["rl.packing.row_tokens=512", "rl.packing.micro_batch_tokens=100"], "smaller than one row"),
+    (["rl.packing.buckets=0"], "buckets"),
+])
+def test_nonsense_packing_settings_are_refused_at_config_time(overrides, message):
+    from jaxrl.config import Config
+    from jaxrl.configlib import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(Config, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                         "default.yaml"), ["rl.packing.enabled=true", *overrides])
