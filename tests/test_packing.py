@@ -337,3 +337,24 @@ def test_nonsense_packing_settings_are_refused_at_config_time(overrides, message
     with pytest.raises(ConfigError, match=message):
         load_config(Config, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                          "default.yaml"), ["rl.packing.enabled=true", *overrides])
+
+
+def test_bench_train_compares_packed_and_padded_rows_on_ragged_lengths(capsys):
+    from jaxrl import bench, cli
+
+    argv = ["bench", "train", "--preset", "tiny", "--sequences", "8", "--prompt-len", "4", "--completion-len", "32",
+            "--lengths", "ragged", "--repeats", "1"]
+    assert cli.main([*argv, "--packing", "compare"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    result = __import__("json").loads(out[0])
+    padded, packed = result["padded"], result["packed"]
+    lengths = bench.ragged_lengths(8, 32, 0)
+    assert padded["useful_tokens"] == packed["useful_tokens"] == int(lengths.sum())
+    assert padded["packing"] == "off" and packed["packing"] == "on" and packed["lengths"] == "ragged"
+    rows, row = packed["packed_rows"]
+    assert row == 4 + 32 - 1 and rows < 8
+    assert result["speedup_useful_tokens_per_s"] == pytest.approx(
+        packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"])
+    assert any("packed / padded useful tokens/s" in line for line in out)
+    assert cli.main([*argv, "--packing", "on", "--row-tokens", "8"]) == 2
+    assert "--row-tokens = 8 is shorter than sequence" in capsys.readouterr().err
