@@ -44,7 +44,8 @@ class PackPlan:
       -1 where sequence b has no token j or sits in another micro-batch.
     shards: static number of data-parallel shards the rows are split over (R and B are multiples of it).
     max_segments: static bound on the sequences of one row, a power of two (`models.apply`'s `max_segments`, for
-      the cuDNN kernel; a power of two so that a run compiles few values of it).
+      the cuDNN kernel; a power of two so that a run compiles few values of it), or None: the row length (always
+      enough; `Packer` leaves it None off GPUs, where no kernel reads it, so that it adds no compiles).
 
     Micro-batch m holds rows m, m + M, m + 2M, ... (as `train._split_micro_batches` groups rows), so each spans
     every data shard.
@@ -55,7 +56,7 @@ class PackPlan:
     positions: jax.Array
     unpack: jax.Array
     shards: int = struct.field(pytree_node=False, default=1)
-    max_segments: int = struct.field(pytree_node=False, default=1)
+    max_segments: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def micro_batches(self) -> int:
@@ -269,4 +270,6 @@ class Packer:
         row = self.config.row_tokens or prompt_valid.shape[1] + mask.shape[1] - 1
         plan = plan_packing(prompt_valid, mask, row_tokens=row, shards=shards, buckets=self.config.buckets,
                             micro_rows=self.micro_rows(prompt_valid.shape[0], row, shards))
+        if jax.default_backend() != "gpu":  # only the cuDNN kernel reads the bound: elsewhere one compile less
+            plan = plan.replace(max_segments=None)
         return place_plan(plan, like)
