@@ -101,7 +101,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
                  seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute",
                  dtype: str | None = None, bandwidth: bool = False, lengths: str = "fixed",
-                 compaction: bool | None = None) -> dict:
+                 compaction: bool | None = None, compaction_segments: int | None = None) -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
     `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`; `dtype` (e.g. "bfloat16") stores and
@@ -118,7 +118,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     seed)[i]` (forced: `sample(forced_lengths=...)`, stop id `RAGGED_STOP_ID`) instead of running to
     `new_tokens`; the steps run are then the longest length, which `decode_step_s` divides by. Both workloads
     report `useful_tokens` (the tokens before and including each row's stop: the sum of the lengths) and
-    `useful_tokens_per_s`. `compaction` sets `SamplingConfig.compaction` (None: the sampler's default).
+    `useful_tokens_per_s`. `compaction` and `compaction_segments` set those `SamplingConfig` fields (None: the
+    sampler's default).
     """
     import jax
 
@@ -140,6 +141,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         overrides["decode_segments"] = decode_segments
     if compaction is not None:
         overrides["compaction"] = compaction
+    if compaction_segments is not None:
+        overrides["compaction_segments"] = compaction_segments
     if lengths not in ("fixed", "ragged"):
         raise ValueError(f"lengths must be 'fixed' or 'ragged', got {lengths!r}")
     sequences = prompts * group
@@ -191,6 +194,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "prefix_sharing": shared,
         "decode_segments": SamplingConfig(**overrides).decode_segments,
         "compaction": SamplingConfig(**overrides).compaction,
+        "compaction_segments": SamplingConfig(**overrides).compaction_segments,
         "kv_cache_dtype": kv_cache_dtype,
         "repeats": repeats,
         "seed": seed,
@@ -538,7 +542,8 @@ def markdown_table(results: list[dict]) -> str:
 def _describe(r: dict) -> str:
     return (f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters, {r['dtype']}), prompt length "
             f"{r['prompt_len']}, temperature {r['temperature']}, KV cache {r['kv_cache_dtype']}, "
-            f"{r['decode_segments']} decode segments, {r['repeats']} timed calls (median); "
+            f"{r['decode_segments']} decode segments ({r['compaction_segments']} with compaction), "
+            f"{r['repeats']} timed calls (median); "
             f"lengths {r['length_distribution']}; "
             f"device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
 
@@ -566,6 +571,8 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compaction", choices=("on", "off"), default=None,
                         help="SamplingConfig.compaction: drop finished rows between decode segments "
                              "(default: the sampler's default)")
+    parser.add_argument("--compaction-segments", type=int, default=None,
+                        help="SamplingConfig.compaction_segments (default: the sampler's default)")
     parser.add_argument("--decode-segments", type=int, default=None,
                         help="SamplingConfig.decode_segments (default: the sampler's default)")
     parser.add_argument("--kv-cache", choices=("compute", "int8"), default="compute",
@@ -590,7 +597,8 @@ def run_sample(args: argparse.Namespace) -> int:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
                   decode_segments=args.decode_segments, kv_cache_dtype=args.kv_cache, dtype=args.dtype,
                   bandwidth=args.bandwidth, lengths=args.lengths,
-                  compaction=None if args.compaction is None else args.compaction == "on")
+                  compaction=None if args.compaction is None else args.compaction == "on",
+                  compaction_segments=args.compaction_segments)
     try:
         if args.compare_compaction:
             result = compare_compaction(**kwargs)

@@ -8,6 +8,14 @@ The decode runs as a few `lax.while_loop` segments over a cache that grows betwe
 not attend over the empty tail of the cache. Everything that crosses the jit boundary is an explicit pytree
 (policy params, prompts, RNG key); the cache lives in the loop carry. Bad inputs are rejected on the host
 before anything compiles.
+
+Finished rows cost nothing after the segment they end in (`SamplingConfig.compaction`, on by default): the
+prefill and each decode segment are then separate jitted programs, and between segments the host reads the
+`[batch]` finished flags (after each of `compaction_segments` segments) and gathers the live rows into the smallest batch bucket that holds them
+(`compacted_layout`: prompt slots of `G'` rows, each slot sharing its prompt's cache), so a long-tailed batch
+stops decoding its short rows' padding. Each step still draws the whole batch's uniforms and takes the live
+rows' share, so the tokens are those of the single program (`_sample`). Compiles stay bounded: one program per
+(segment, bucket shape) met, and one per compaction between shapes.
 """
 
 from __future__ import annotations
@@ -62,6 +70,11 @@ class SamplingConfig:
     # group_size), and under a sharded policy each must be a multiple of the data-parallel size. Empty: the
     # batch and its halvings (`default_batch_buckets`).
     batch_buckets: tuple[int, ...] = ()
+    # With compaction, the decode runs in up to this many segments instead of `decode_segments` (at least
+    # `MIN_SEGMENT_STEPS` steps each): finished rows are dropped after each, so more segments drop them sooner, at
+    # the price of more programs to compile. 8 measured best on the ragged bench-small workload (2-core CPU:
+    # 4 segments 1.6x the single program's useful tokens/s, 8 and 16 2.3x, 16 compiling longer).
+    compaction_segments: int = dataclasses.field(default=8, metadata={"gt": 0})
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
@@ -70,6 +83,8 @@ class SamplingConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.decode_segments < 1:
             raise ValueError(f"decode_segments must be >= 1, got {self.decode_segments}")
+        if self.compaction_segments < 1:
+            raise ValueError(f"compaction_segments must be >= 1, got {self.compaction_segments}")
         if self.kv_cache_dtype not in ("compute", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'compute' or 'int8', got {self.kv_cache_dtype!r}")
         buckets = self.batch_buckets
@@ -504,15 +519,17 @@ def _decode_step(state: _Decode, key_valid, *, policy, rng, config: SamplingConf
                           policy_logps=policy_logps, mask=mask, done=done)
 
 
-def _decode_segment(policy, state: _Decode, rng, temperature, end: int, *, config: SamplingConfig, eos_id,
-                    pad_id: int, stop_sequences, batch: int) -> _Decode:
-    """Decode until step `end` or until every row of `state` has finished, over an own cache grown to `end`
-    slots (from the previous segment's end)."""
+def _decode_segment(policy, state: _Decode, rng, temperature, end, *, cache_len: int, config: SamplingConfig,
+                    eos_id, pad_id: int, stop_sequences, batch: int) -> _Decode:
+    """Decode until step `end` (an int, or traced) or until every row of `state` has finished, over an own cache
+    grown to `cache_len >= end` slots."""
     stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
     stop_ids = stop_ids[jnp.argmax(stop_ids >= 0)][None] if state.forced is not None else stop_ids
     rows = state.logits.shape[0]
-    state = state._replace(cache=GroupKVCache(state.cache.prompt, state.cache.own.extend(end - state.cache.own.length)))
-    key_valid = jnp.concatenate([state.prompt_valid, jnp.ones((rows, end), bool)], axis=1)
+    own = state.cache.own
+    if own.length < cache_len:
+        state = state._replace(cache=GroupKVCache(state.cache.prompt, own.extend(cache_len - own.length)))
+    key_valid = jnp.concatenate([state.prompt_valid, jnp.ones((rows, cache_len), bool)], axis=1)
     body = functools.partial(_decode_step, key_valid=key_valid, policy=policy, rng=rng, config=config,
                              temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
                              stop_sequences=stop_sequences, batch=batch)
@@ -540,18 +557,28 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
     state, prompt_tokens, prompt_valid = _prefill(policy, prompt_tokens, prompt_valid, forced_lengths, config,
                                                   pad_id, group_size, rows=False)
     for _, end in decode_segments(config.max_new_tokens, config.decode_segments):
-        state = _decode_segment(policy, state, rng, temperature, end, config=config, eos_id=eos_id, pad_id=pad_id,
-                                stop_sequences=stop_sequences, batch=state.done.shape[0])
+        state = _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
+                                pad_id=pad_id, stop_sequences=stop_sequences, batch=state.done.shape[0])
     return _rollout(state.tokens, state.logps, state.policy_logps, state.mask, state.done, prompt_tokens,
                     prompt_valid, config)
 
 
 # ----------------------------------------------------------------------------- compacted decode: one program
-# for the prefill, one per decode segment and batch shape, one per compaction; the host reads the finished
+# for the prefill, one decode-segment program per batch shape (the segment's end is traced, the own cache is
+# `max_new_tokens` long from the start), one per compaction between two shapes; the host reads the finished
 # flags between segments and gathers the live rows into the smallest bucket that holds them.
 
-_prefill_program = jax.jit(_prefill, static_argnames=("config", "pad_id", "group_size", "rows"))
-_segment_program = jax.jit(_decode_segment, static_argnames=("end", "config", "eos_id", "pad_id",
+@functools.partial(jax.jit, static_argnames=("config", "pad_id", "group_size"))
+def _prefill_program(policy, prompt_tokens, prompt_valid, forced, *, config: SamplingConfig, pad_id: int,
+                     group_size: int):
+    """The decode state before step 0 (an own cache of `max_new_tokens` slots) and the rollout's outputs."""
+    state, _, _ = _prefill(policy, prompt_tokens, prompt_valid, forced, config, pad_id, group_size, rows=True)
+    own = state.cache.own.extend(config.max_new_tokens)
+    state = state._replace(cache=GroupKVCache(state.cache.prompt, own))
+    return state, _scatter_rows(None, state, state.done.shape[0])
+
+
+_segment_program = jax.jit(_decode_segment, static_argnames=("cache_len", "config", "eos_id", "pad_id",
                                                              "stop_sequences", "batch"))
 _gather_program = jax.jit(gathered_weights)
 
@@ -559,7 +586,7 @@ _gather_program = jax.jit(gathered_weights)
 @functools.partial(jax.jit, static_argnames=("batch",))
 def _compact_program(outputs, state: _Decode, slot_source, row_source, *, batch: int):
     """Write the rows of `state` into the rollout's `outputs` (tokens, logps, policy_logps, mask, done over all
-    `batch` rows; None before the first compaction), then gather the new state: prompt slot s holds the
+    `batch` rows), then gather the new state: prompt slot s holds the
     cache of the state's slot `slot_source[s]`, row j is the state's row `row_source[j]` (-1: unused, finished)."""
     outputs = _scatter_rows(outputs, state, batch)
     used = row_source >= 0
@@ -599,11 +626,7 @@ def _scatter_rows(outputs, state: _Decode, batch: int):
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
 def _finish_program(outputs, state: _Decode, prompt_tokens, prompt_valid, *, config: SamplingConfig,
                     group_size: int) -> Rollout:
-    batch = prompt_tokens.shape[0] * group_size
-    if outputs is None and state.done.shape[0] == batch:  # never compacted: the rows are the batch, in order
-        outputs = (state.tokens, state.logps, state.policy_logps, state.mask, state.done)
-    else:
-        outputs = _scatter_rows(outputs, state, batch)
+    outputs = _scatter_rows(outputs, state, prompt_tokens.shape[0] * group_size)
     prompt_tokens, prompt_valid = (jnp.repeat(x, group_size, axis=0) for x in (prompt_tokens, prompt_valid))
     return _rollout(*outputs, prompt_tokens, prompt_valid, config)
 
@@ -650,13 +673,14 @@ def compacted_layout(live_rows: np.ndarray, group_size: int, buckets: tuple[int,
     `live_rows`: the rollout rows `p * group_size + g` still decoding, ascending. The compacted batch is `P'`
     prompt slots of `G'` rows each: slot s shares the cache of prompt `slot_prompts[s]`, and its rows are
     `rows[s * G' : (s + 1) * G']` (-1: an unused row). A prompt with more than `G'` live rows takes several
-    slots (its cache gathered into each). `G'` is `group_size` or a power of two below it, and `P' * G'` the
-    smallest bucket that holds the live rows this way with `P'` a multiple of `parallel`; among layouts of that
-    size the one with the fewest slots (the most sharing). Unused slots read prompt `slot_prompts[0]`.
+    slots (its cache gathered into each). `P' * G'` is the smallest bucket that holds the live rows this way with
+    `P'` a multiple of `parallel`, and `G'` is `group_size` where that fits in it (one slot per prompt: the most
+    sharing), else 1 (a slot per row, which always fits the smallest bucket). Two widths only, so that a run
+    meets few batch shapes, each compiled once (intermediate widths saved little: past the prompt, a row reads
+    its own keys, not shared ones). Unused slots read prompt `slot_prompts[0]`.
     """
     prompts = live_rows // group_size
-    widths = sorted({group_size} | {2**k for k in range(group_size.bit_length()) if 2**k < group_size},
-                    reverse=True)
+    widths = sorted({group_size, 1}, reverse=True)
     counts = np.bincount(prompts, minlength=int(prompts.max()) + 1) if prompts.size else np.zeros(1, np.int64)
     for size in buckets:
         for width in widths:
@@ -688,7 +712,7 @@ def _compaction_off_reason(policy: Policy, prompt_tokens, prompt_valid, rng, tem
         return "traced inside a caller's jit: the host cannot read the finished rows"
     if jax.process_count() > 1:
         return "multi-process run: every process would need every process's finished rows at every segment"
-    if batch == 1 or len(decode_segments(config.max_new_tokens, config.decode_segments)) == 1:
+    if batch == 1 or len(decode_segments(config.max_new_tokens, config.compaction_segments)) == 1:
         return "nothing to compact: one row, or one decode segment"
     return None
 
@@ -701,11 +725,10 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
     parallel = data_parallel_size(policy.layout)
     if config.gather_weights and sampling_layout(policy.layout) is not None:
         policy = _gather_program(policy)
-    state, _, _ = _prefill_program(policy, prompt_tokens, prompt_valid, forced_lengths, config=config,
-                                   pad_id=pad_id, group_size=group_size, rows=True)
+    state, outputs = _prefill_program(policy, prompt_tokens, prompt_valid, forced_lengths, config=config,
+                                      pad_id=pad_id, group_size=group_size)
     slots, rows = np.arange(num_prompts), np.arange(batch)  # the state's prompt of each slot, row of each row
-    outputs = None
-    for start, end in decode_segments(config.max_new_tokens, config.decode_segments):
+    for start, end in decode_segments(config.max_new_tokens, config.compaction_segments):
         if start:
             live = rows[(rows >= 0) & ~np.asarray(state.done)]
             if not live.size:
@@ -720,6 +743,7 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
                 row_source = np.asarray([position[r] if r >= 0 else -1 for r in new_rows], np.int32)
                 outputs, state = _compact_program(outputs, state, slot_source, row_source, batch=batch)
                 slots, rows = new_slots, new_rows
-        state = _segment_program(policy, state, rng, temperature, end, config=config, eos_id=eos_id, pad_id=pad_id,
-                                 stop_sequences=stop_sequences, batch=batch)
+        state = _segment_program(policy, state, rng, temperature, np.int32(end), cache_len=config.max_new_tokens,
+                                 config=config, eos_id=eos_id, pad_id=pad_id, stop_sequences=stop_sequences,
+                                 batch=batch)
     return _finish_program(outputs, state, prompt_tokens, prompt_valid, config=config, group_size=group_size)
