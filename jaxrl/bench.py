@@ -14,7 +14,8 @@ times and sampled with `group_size=1`. Prints one JSON line with every figure, t
 reports the speedup. `--lengths ragged` stops row i at length `ragged_lengths(prompts * group, new_tokens, seed)[i]`
 (a seeded log-normal: median 25% of `new_tokens`, 10% of the rows at it; the stop token is forced there) and
 `--compare-compaction` runs the sampler with `SamplingConfig.compaction` off, then on (each in a fresh process)
-and reports the speedup in useful tokens/s (the tokens before each row's stop, over the time per call). `benchmarks/sample_transformers.py` runs the same workload with Hugging Face transformers.
+and reports the speedup in useful tokens/s (the tokens before each row's stop, over the time per call).
+`benchmarks/sample_transformers.py` runs the same workload with Hugging Face transformers.
 
 Module import is cheap (jax is imported inside the functions), so the CLI can build its parser from it.
 """

@@ -10,12 +10,12 @@ not attend over the empty tail of the cache. Everything that crosses the jit bou
 before anything compiles.
 
 Finished rows cost nothing after the segment they end in (`SamplingConfig.compaction`, on by default): the
-prefill and each decode segment are then separate jitted programs, and between segments the host reads the
-`[batch]` finished flags (after each of `compaction_segments` segments) and gathers the live rows into the smallest batch bucket that holds them
-(`compacted_layout`: prompt slots of `G'` rows, each slot sharing its prompt's cache), so a long-tailed batch
-stops decoding its short rows' padding. Each step still draws the whole batch's uniforms and takes the live
-rows' share, so the tokens are those of the single program (`_sample`). Compiles stay bounded: one program per
-(segment, bucket shape) met, and one per compaction between shapes.
+prefill and the decode segments are then separate jitted programs, and after each of `compaction_segments`
+segments the host reads the `[batch]` finished flags and gathers the live rows into the smallest batch bucket
+that holds them (`compacted_layout`: prompt slots of `G'` rows, each slot sharing its prompt's cache), so a
+long-tailed batch stops decoding its short rows' padding. Each step still draws the whole batch's uniforms and
+takes the live rows' share, so the tokens are those of the single program (`_sample`). Compiles stay bounded:
+one segment program and one finishing program per batch shape met, one compaction program per pair of shapes.
 """
 
 from __future__ import annotations
@@ -564,30 +564,38 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
 
 
 # ----------------------------------------------------------------------------- compacted decode: one program
-# for the prefill, one decode-segment program per batch shape (the segment's end is traced, the own cache is
-# `max_new_tokens` long from the start), one per compaction between two shapes; the host reads the finished
-# flags between segments and gathers the live rows into the smallest bucket that holds them.
+# for the prefill, one per decode segment and pair of batch shapes (before and after the compaction that starts
+# it, if any; the own cache grows to the segment's end: a cache as long as `max_new_tokens` from the start made
+# the ragged bench-small workload 1.4x slower on a 2-core CPU), one to finish per batch shape. The host reads the
+# finished flags between segments and gathers the live rows into the smallest bucket that holds them.
 
 @functools.partial(jax.jit, static_argnames=("config", "pad_id", "group_size"))
 def _prefill_program(policy, prompt_tokens, prompt_valid, forced, *, config: SamplingConfig, pad_id: int,
                      group_size: int):
-    """The decode state before step 0 (an own cache of `max_new_tokens` slots) and the rollout's outputs."""
+    """The decode state before step 0 and the rollout's outputs (`_scatter_rows`)."""
     state, _, _ = _prefill(policy, prompt_tokens, prompt_valid, forced, config, pad_id, group_size, rows=True)
-    own = state.cache.own.extend(config.max_new_tokens)
-    state = state._replace(cache=GroupKVCache(state.cache.prompt, own))
     return state, _scatter_rows(None, state, state.done.shape[0])
 
 
-_segment_program = jax.jit(_decode_segment, static_argnames=("cache_len", "config", "eos_id", "pad_id",
-                                                             "stop_sequences", "batch"))
+@functools.partial(jax.jit, static_argnames=("end", "config", "eos_id", "pad_id", "stop_sequences", "batch"))
+def _segment_program(policy, state: _Decode, outputs, slot_source, row_source, rng, temperature, *, end: int,
+                     config: SamplingConfig, eos_id, pad_id: int, stop_sequences, batch: int):
+    """One decode segment of the compacted decode, to step `end`: first, given `slot_source` and `row_source`
+    (else None), the compaction (`_compact`) of `state` into a smaller batch. Returns `(state, outputs)`."""
+    if slot_source is not None:
+        outputs, state = _compact(outputs, state, slot_source, row_source, batch)
+    state = _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
+                            pad_id=pad_id, stop_sequences=stop_sequences, batch=batch)
+    return state, outputs
+
+
 _gather_program = jax.jit(gathered_weights)
 
 
-@functools.partial(jax.jit, static_argnames=("batch",))
-def _compact_program(outputs, state: _Decode, slot_source, row_source, *, batch: int):
+def _compact(outputs, state: _Decode, slot_source, row_source, batch: int):
     """Write the rows of `state` into the rollout's `outputs` (tokens, logps, policy_logps, mask, done over all
-    `batch` rows), then gather the new state: prompt slot s holds the
-    cache of the state's slot `slot_source[s]`, row j is the state's row `row_source[j]` (-1: unused, finished)."""
+    `batch` rows), then gather the new state: prompt slot s holds the cache of the state's slot
+    `slot_source[s]`, row j is the state's row `row_source[j]` (-1: an unused row, finished)."""
     outputs = _scatter_rows(outputs, state, batch)
     used = row_source >= 0
     source = jnp.maximum(row_source, 0)
@@ -626,12 +634,14 @@ def _scatter_rows(outputs, state: _Decode, batch: int):
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
 def _finish_program(outputs, state: _Decode, prompt_tokens, prompt_valid, *, config: SamplingConfig,
                     group_size: int) -> Rollout:
+    """The rollout: `outputs` with the last state's rows written in. `state` comes without its cache (one
+    program per batch shape, not per cache length)."""
     outputs = _scatter_rows(outputs, state, prompt_tokens.shape[0] * group_size)
     prompt_tokens, prompt_valid = (jnp.repeat(x, group_size, axis=0) for x in (prompt_tokens, prompt_valid))
     return _rollout(*outputs, prompt_tokens, prompt_valid, config)
 
 
-_PROGRAMS = (_sample, _prefill_program, _segment_program, _gather_program, _compact_program, _finish_program)
+_PROGRAMS = (_sample, _prefill_program, _segment_program, _gather_program, _finish_program)
 
 
 def data_parallel_size(layout: models.Layout | None) -> int:
@@ -729,6 +739,7 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
                                       pad_id=pad_id, group_size=group_size)
     slots, rows = np.arange(num_prompts), np.arange(batch)  # the state's prompt of each slot, row of each row
     for start, end in decode_segments(config.max_new_tokens, config.compaction_segments):
+        compaction = (None, None)
         if start:
             live = rows[(rows >= 0) & ~np.asarray(state.done)]
             if not live.size:
@@ -741,9 +752,10 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
                 position = {r: j for j, r in enumerate(rows) if r >= 0}
                 slot_source = np.asarray([first_slot[int(p)] for p in new_slots], np.int32)
                 row_source = np.asarray([position[r] if r >= 0 else -1 for r in new_rows], np.int32)
-                outputs, state = _compact_program(outputs, state, slot_source, row_source, batch=batch)
+                compaction = (slot_source, row_source)
                 slots, rows = new_slots, new_rows
-        state = _segment_program(policy, state, rng, temperature, np.int32(end), cache_len=config.max_new_tokens,
-                                 config=config, eos_id=eos_id, pad_id=pad_id, stop_sequences=stop_sequences,
-                                 batch=batch)
+        state, outputs = _segment_program(policy, state, outputs, *compaction, rng, temperature, end=end,
+                                          config=config, eos_id=eos_id, pad_id=pad_id,
+                                          stop_sequences=stop_sequences, batch=batch)
+    state = state._replace(cache=None, logits=None)
     return _finish_program(outputs, state, prompt_tokens, prompt_valid, config=config, group_size=group_size)
