@@ -3,8 +3,8 @@
 lengths, `--packing on|off|compare` trains on packed or padded rows).
 
     jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
-                       [--no-prefix-sharing | --compare] [--decode-segments N] [--kv-cache compute|int8]
-                       [--repeats 3]
+                       [--no-prefix-sharing | --compare | --compare-compaction] [--lengths fixed|ragged]
+                       [--compaction on|off] [--decode-segments N] [--kv-cache compute|int8] [--repeats 3]
 
 The workload: a policy with random weights (`--seed`), `prompts` prompts of `prompt_len` random token ids
 (numpy, fixed seed), `group` samples of each (prompts * group sequences), exactly `new_tokens` new tokens per
@@ -12,7 +12,11 @@ sequence (EOS ignored), temperature 1, no top-k / top-p. With prefix sharing the
 prompts and `group_size=G` (each prompt prefilled once); without it (the baseline) every prompt is repeated G
 times and sampled with `group_size=1`. Prints one JSON line with every figure, then a markdown table.
 `--compare` runs both modes, each in a fresh process (so peak memory and compile time are each run's own), and
-reports the speedup. `benchmarks/sample_transformers.py` runs the same workload with Hugging Face transformers.
+reports the speedup. `--lengths ragged` stops row i at length `ragged_lengths(prompts * group, new_tokens, seed)[i]`
+(a seeded log-normal: median 25% of `new_tokens`, 10% of the rows at it; the stop token is forced there) and
+`--compare-compaction` runs the sampler with `SamplingConfig.compaction` off, then on, then both back to back
+(`compare_compaction`) and reports the speedup in useful tokens/s (the tokens before each row's stop, over the time per call).
+`benchmarks/sample_transformers.py` runs the same workload with Hugging Face transformers.
 
 Module import is cheap (jax is imported inside the functions), so the CLI can build its parser from it.
 """
@@ -32,6 +36,7 @@ from typing import Any
 
 PAD_ID = 0
 NO_EOS = -1  # never sampled: every sequence runs to `new_tokens`
+RAGGED_STOP_ID = 1  # the stop id a ragged workload forces at each row's drawn length
 
 
 RAGGED_MEDIAN_FRACTION = 0.25  # median completion length / max_new_tokens
@@ -97,7 +102,8 @@ def _timed(fn) -> float:
 def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int = 64, group: int = 8,
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
                  seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute",
-                 dtype: str | None = None, bandwidth: bool = False) -> dict:
+                 dtype: str | None = None, bandwidth: bool = False, lengths: str = "fixed",
+                 compaction: bool | None = None, compaction_segments: int | None = None) -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
     `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`; `dtype` (e.g. "bfloat16") stores and
@@ -109,6 +115,13 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     `peak_memory_bytes`, the device and versions. `bandwidth` also measures the device's copy bandwidth
     (`copy_bandwidth`) and reports `memory_bound_fraction`: the time the step's bytes need at that bandwidth
     over the measured step time (1.0 = at the memory-bandwidth limit).
+
+    `lengths="ragged"`: row i of the rollout stops at length `ragged_lengths(prompts * group, new_tokens,
+    seed)[i]` (forced: `sample(forced_lengths=...)`, stop id `RAGGED_STOP_ID`) instead of running to
+    `new_tokens`; the steps run are then the longest length, which `decode_step_s` divides by. Both workloads
+    report `useful_tokens` (the tokens before and including each row's stop: the sum of the lengths) and
+    `useful_tokens_per_s`. `compaction` and `compaction_segments` set those `SamplingConfig` fields (None: the
+    sampler's default).
     """
     import jax
 
@@ -128,17 +141,27 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     overrides = {"kv_cache_dtype": kv_cache_dtype}
     if decode_segments is not None:
         overrides["decode_segments"] = decode_segments
+    if compaction is not None:
+        overrides["compaction"] = compaction
+    if compaction_segments is not None:
+        overrides["compaction_segments"] = compaction_segments
+    if lengths not in ("fixed", "ragged"):
+        raise ValueError(f"lengths must be 'fixed' or 'ragged', got {lengths!r}")
     sequences = prompts * group
-    policy, call = sample_workload(config, prompts, prompt_len, group, temperature, shared, seed, **overrides)
+    forced = ragged_lengths(sequences, new_tokens, seed) if lengths == "ragged" else None
+    useful = int(forced.sum()) if forced is not None else sequences * new_tokens
+    steps = int(forced.max()) if forced is not None else new_tokens
+    policy, call = sample_workload(config, prompts, prompt_len, group, temperature, shared, seed,
+                                   forced_lengths=forced, **overrides)
 
     jax.block_until_ready(policy.params)
     start = time.perf_counter()
     rollout = jax.block_until_ready(call(new_tokens))  # the first call: tracing + compilation + one run
     first = time.perf_counter() - start
     generated = int(rollout.completion_mask.sum())  # checked: the shapes and the token count the figures rest on
-    if rollout.tokens.shape != (sequences, prompt_len + new_tokens) or generated != sequences * new_tokens:
+    if rollout.tokens.shape != (sequences, prompt_len + new_tokens) or generated != useful:
         raise RuntimeError(f"sampler returned tokens {rollout.tokens.shape} with {generated} generated tokens; "
-                           f"expected ({sequences}, {prompt_len + new_tokens}) and {sequences * new_tokens}")
+                           f"expected ({sequences}, {prompt_len + new_tokens}) and {useful}")
     del rollout
     times = [_timed(lambda: call(new_tokens)) for _ in range(repeats)]
     call_s = statistics.median(times)
@@ -147,7 +170,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     ttft_s = statistics.median(ttft_times)
     peak, peak_source = _peak_memory()
     device = jax.devices()[0]
-    decode_step_s = (call_s - ttft_s) / (new_tokens - 1) if new_tokens > 1 else None
+    decode_step_s = (call_s - ttft_s) / (steps - 1) if steps > 1 else None
     step_bytes = decode_bytes_per_step(config, prompts, group, prompt_len, new_tokens, shared, kv_cache_dtype)
     copy_bytes_per_s = copy_bandwidth() if bandwidth else None
     bound_fraction = (step_bytes / copy_bytes_per_s / decode_step_s
@@ -162,10 +185,18 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "group": group,
         "sequences": sequences,
         "new_tokens": new_tokens,
+        "lengths": lengths,
+        "length_distribution": (f"ragged_lengths(count={sequences}, max_new_tokens={new_tokens}, seed={seed}): "
+                                f"log-normal, median {RAGGED_MEDIAN_FRACTION:.0%} of max_new_tokens, "
+                                f"{RAGGED_AT_BUDGET:.0%} at it" if forced is not None else "fixed"),
+        "steps": steps,
         "generated_tokens": generated,
+        "useful_tokens": useful,
         "temperature": temperature,
         "prefix_sharing": shared,
         "decode_segments": SamplingConfig(**overrides).decode_segments,
+        "compaction": SamplingConfig(**overrides).compaction,
+        "compaction_segments": SamplingConfig(**overrides).compaction_segments,
         "kv_cache_dtype": kv_cache_dtype,
         "repeats": repeats,
         "seed": seed,
@@ -174,6 +205,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "call_s": call_s,
         "call_times_s": times,
         "tokens_per_s": generated / call_s,
+        "useful_tokens_per_s": useful / call_s,
         "ttft_s": ttft_s,
         "ttft_times_s": ttft_times,
         "decode_step_s": decode_step_s,
@@ -193,10 +225,11 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
 
 
 def sample_workload(config, prompts: int, prompt_len: int, group: int, temperature: float = 1.0,
-                    prefix_sharing: bool = True, seed: int = 0, **sampling_overrides):
+                    prefix_sharing: bool = True, seed: int = 0, forced_lengths=None, **sampling_overrides):
     """The sampling workload of the module docstring for a `models.ModelConfig`: `(policy, call)` where
-    `call(new_tokens)` samples `prompts * group` sequences of exactly `new_tokens` new tokens (a `Rollout`).
-    Extra keyword arguments are `SamplingConfig` fields (`kv_cache_dtype`, `decode_segments`)."""
+    `call(new_tokens)` samples `prompts * group` sequences of exactly `new_tokens` new tokens (a `Rollout`),
+    or with `forced_lengths [prompts * group]` sequence i of `min(forced_lengths[i], new_tokens)` tokens.
+    Extra keyword arguments are `SamplingConfig` fields (`kv_cache_dtype`, `decode_segments`, `compaction`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -215,7 +248,10 @@ def sample_workload(config, prompts: int, prompt_len: int, group: int, temperatu
     def call(new_tokens: int):
         sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_k=0, top_p=1.0,
                                   **sampling_overrides)
-        return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
+        if forced_lengths is None:
+            return sample(policy, tokens, valid, key, sampling, eos_id=NO_EOS, pad_id=PAD_ID, **kwargs)
+        return sample(policy, tokens, valid, key, sampling, eos_id=RAGGED_STOP_ID, pad_id=PAD_ID,
+                      forced_lengths=np.minimum(forced_lengths, new_tokens), **kwargs)
 
     return policy, call
 
@@ -527,21 +563,65 @@ def compare_sample(isolate: bool = True, **kwargs) -> dict:
     }
 
 
+def compare_compaction(rounds: int = 3, **kwargs) -> dict:
+    """The same workload with `SamplingConfig.compaction` off (one jitted decode that stops only when every row
+    has finished) and on (finished rows dropped between segments), in this process: each mode's figures
+    (`bench_sample`, off first), then `rounds` rounds of one timed call of each mode back to back, so that both
+    see the same machine load. `speedup_useful_tokens_per_s` is the median over the rounds of the off call's
+    time over the on call's (the same tokens in both)."""
+    import jax
+
+    kwargs.pop("compaction", None)
+    off = bench_sample(**kwargs, compaction=False)
+    on = bench_sample(**kwargs, compaction=True)
+    calls = {}
+    for mode in (False, True):  # the programs bench_sample compiled: nothing compiles here
+        model_name, config = _model_config(kwargs.get("model", "bench-small"))
+        if kwargs.get("dtype") is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, dtype=kwargs["dtype"], param_dtype=kwargs["dtype"])
+        new_tokens, seed = kwargs.get("new_tokens", 128), kwargs.get("seed", 0)
+        sequences = kwargs.get("prompts", 8) * kwargs.get("group", 8)
+        forced = ragged_lengths(sequences, new_tokens, seed) if kwargs.get("lengths") == "ragged" else None
+        overrides = {"kv_cache_dtype": kwargs.get("kv_cache_dtype", "compute"), "compaction": mode}
+        for name in ("decode_segments", "compaction_segments"):
+            if kwargs.get(name) is not None:
+                overrides[name] = kwargs[name]
+        policy, call = sample_workload(config, kwargs.get("prompts", 8), kwargs.get("prompt_len", 64),
+                                       kwargs.get("group", 8), kwargs.get("temperature", 1.0),
+                                       kwargs.get("prefix_sharing", True), seed, forced_lengths=forced, **overrides)
+        jax.block_until_ready(policy.params)
+        calls[mode] = (lambda call=call: call(new_tokens))
+    pairs = [(_timed(calls[False]), _timed(calls[True])) for _ in range(rounds)]
+    return {
+        "benchmark": "sample_compaction",
+        "compaction_off": off,
+        "compaction_on": on,
+        "interleaved_call_s": pairs,
+        "speedup_useful_tokens_per_s": statistics.median(a / b for a, b in pairs),
+        "speedup_separate_runs": on["useful_tokens_per_s"] / off["useful_tokens_per_s"],
+    }
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def markdown_table(results: list[dict]) -> str:
-    header = ("| mode | sequences | new tokens | tokens/s | time per call | time to first token | compile "
-              "| peak memory |\n|---|---|---|---|---|---|---|---|")
+    header = ("| mode | sequences | new tokens | useful tokens/s | tokens/s | time per call | time per step "
+              "| time to first token | compile | peak memory |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [header]
     for r in results:
         if r["prefix_sharing"]:
             mode = f"prefix sharing ({r['prompts']} prompts x {r['group']})"
         else:
             mode = f"repeated prompts ({r['prompts']} x {r['group']})"
-        lines.append(f"| {mode} | {r['sequences']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} "
-                     f"| {r['call_s']:.3f} s | {r['ttft_s']:.3f} s | {r['compile_s']:.2f} s "
+        mode += f", {r['lengths']} lengths, compaction {'on' if r['compaction'] else 'off'}"
+        step = f"{1e3 * r['decode_step_s']:.2f} ms" if r["decode_step_s"] is not None else "-"
+        lines.append(f"| {mode} | {r['sequences']} | {r['new_tokens']} | {r['useful_tokens_per_s']:.1f} "
+                     f"| {r['tokens_per_s']:.1f} | {r['call_s']:.3f} s | {step} | {r['ttft_s']:.3f} s "
+                     f"| {r['compile_s']:.2f} s "
                      f"| {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
     return "\n".join(lines)
 
@@ -549,7 +629,9 @@ def markdown_table(results: list[dict]) -> str:
 def _describe(r: dict) -> str:
     return (f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters, {r['dtype']}), prompt length "
             f"{r['prompt_len']}, temperature {r['temperature']}, KV cache {r['kv_cache_dtype']}, "
-            f"{r['decode_segments']} decode segments, {r['repeats']} timed calls (median); "
+            f"{r['decode_segments']} decode segments ({r['compaction_segments']} with compaction), "
+            f"{r['repeats']} timed calls (median); "
+            f"lengths {r['length_distribution']}; "
             f"device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
 
 
@@ -566,6 +648,18 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                        help="baseline: repeat every prompt G times, group_size=1")
     modes.add_argument("--compare", action="store_true",
                        help="run with and without prefix sharing (each in a fresh process), report the speedup")
+    modes.add_argument("--compare-compaction", action="store_true",
+                       help="run with SamplingConfig.compaction off, then on, then 3 rounds of one call of each "
+                            "back to back; report the speedup in useful tokens/s (median over the rounds)")
+    parser.add_argument("--lengths", choices=("fixed", "ragged"), default="fixed",
+                        help="fixed: every row runs to --new-tokens; ragged: row i stops at its length of "
+                             "bench.ragged_lengths(prompts * group, new_tokens, seed), log-normal with median 25%% "
+                             "of --new-tokens, 10%% at it (forced stop; default: fixed)")
+    parser.add_argument("--compaction", choices=("on", "off"), default=None,
+                        help="SamplingConfig.compaction: drop finished rows between decode segments "
+                             "(default: the sampler's default)")
+    parser.add_argument("--compaction-segments", type=int, default=None,
+                        help="SamplingConfig.compaction_segments (default: the sampler's default)")
     parser.add_argument("--decode-segments", type=int, default=None,
                         help="SamplingConfig.decode_segments (default: the sampler's default)")
     parser.add_argument("--kv-cache", choices=("compute", "int8"), default="compute",
@@ -589,9 +683,14 @@ def run_sample(args: argparse.Namespace) -> int:
     kwargs = dict(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, group=args.group,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats, seed=args.seed,
                   decode_segments=args.decode_segments, kv_cache_dtype=args.kv_cache, dtype=args.dtype,
-                  bandwidth=args.bandwidth)
+                  bandwidth=args.bandwidth, lengths=args.lengths,
+                  compaction=None if args.compaction is None else args.compaction == "on",
+                  compaction_segments=args.compaction_segments)
     try:
-        if args.compare:
+        if args.compare_compaction:
+            result = compare_compaction(**kwargs)
+            rows = [result["compaction_off"], result["compaction_on"]]
+        elif args.compare:
             result = compare_sample(**kwargs)
             rows = [result["prefix_sharing"], result["baseline"]]
         else:
@@ -611,6 +710,11 @@ def run_sample(args: argparse.Namespace) -> int:
                   f"at the measured copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s that is "
                   f"{100 * r['memory_bound_fraction']:.0f}% of the memory-bandwidth bound"
                   f" ({'prefix sharing' if r['prefix_sharing'] else 'repeated prompts'})")
+    if args.compare_compaction:
+        pairs = ", ".join(f"{a:.2f} s / {b:.2f} s" for a, b in result["interleaved_call_s"])
+        print(f"compaction on vs off: useful tokens/s x{result['speedup_useful_tokens_per_s']:.2f} (median over "
+              f"{len(result['interleaved_call_s'])} back-to-back rounds, time per call off / on: {pairs}; "
+              f"separate runs above: x{result['speedup_separate_runs']:.2f})")
     if args.compare:
         print(f"prefix sharing vs repeated prompts: tokens/s x{result['speedup_tokens_per_s']:.2f}, "
               f"time to first token x{result['speedup_ttft']:.2f}, peak memory x{result['peak_memory_ratio']:.2f}")

@@ -8,6 +8,14 @@ The decode runs as a few `lax.while_loop` segments over a cache that grows betwe
 not attend over the empty tail of the cache. Everything that crosses the jit boundary is an explicit pytree
 (policy params, prompts, RNG key); the cache lives in the loop carry. Bad inputs are rejected on the host
 before anything compiles.
+
+Finished rows cost nothing after the segment they end in (`SamplingConfig.compaction`, on by default): the
+prefill and the decode segments are then separate jitted programs, and after each of `compaction_segments`
+segments the host reads the `[batch]` finished flags and gathers the live rows into the smallest batch bucket
+that holds them (`compacted_layout`: prompt slots of `G'` rows, each slot sharing its prompt's cache), so a
+long-tailed batch stops decoding its short rows' padding. Each step still draws the whole batch's uniforms and
+takes the live rows' share, so the tokens are those of the single program (`_sample`). Compiles stay bounded:
+one segment program and one finishing program per batch shape met, one compaction program per pair of shapes.
 """
 
 from __future__ import annotations
@@ -52,6 +60,22 @@ class SamplingConfig:
     # moves no weights between chips (a Qwen2.5-7B plan on v5e-64: 4.1 GB of all-gathers per chip per token
     # without it), at the cost of holding the gathered weights while sampling (`jaxrl plan` shows both).
     gather_weights: bool = True
+    # Stop paying for finished rows: the decode runs one jitted segment at a time (`decode_segments`), and
+    # between segments the live rows are gathered into a smaller batch (`compacted_layout`), keeping each
+    # prompt's cache shared by its live samples. Same tokens and log-probs as without (the per-step uniform
+    # draws are taken for the whole batch and gathered). Off, or inside a caller's jit, or in a multi-process
+    # run (each process would need every process's finished rows at every segment): one jitted loop.
+    compaction: bool = True
+    # The batch sizes (sequences) a compacted decode may run at; the largest must cover the batch (prompts *
+    # group_size), and under a sharded policy each must be a multiple of the data-parallel size. Empty: the
+    # batch and its halvings (`default_batch_buckets`).
+    batch_buckets: tuple[int, ...] = ()
+    # With compaction, the decode runs in up to this many segments instead of `decode_segments` (at least
+    # `MIN_SEGMENT_STEPS` steps each): finished rows are dropped after each, so more segments drop them sooner, at
+    # the price of more programs to compile. On the ragged bench-small workload (2-core CPU, 2026-11-27) 4 gave
+    # 1.6x the single program's useful tokens/s, 8 2.3x; 16 was no faster than 8 (19.0 s vs 19.9 s per call)
+    # and compiles twice the programs.
+    compaction_segments: int = dataclasses.field(default=8, metadata={"gt": 0})
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
@@ -60,8 +84,14 @@ class SamplingConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.decode_segments < 1:
             raise ValueError(f"decode_segments must be >= 1, got {self.decode_segments}")
+        if self.compaction_segments < 1:
+            raise ValueError(f"compaction_segments must be >= 1, got {self.compaction_segments}")
         if self.kv_cache_dtype not in ("compute", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'compute' or 'int8', got {self.kv_cache_dtype!r}")
+        buckets = self.batch_buckets
+        if not isinstance(buckets, tuple) or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
+                                                  for b in buckets):
+            raise ValueError(f"batch_buckets must be a tuple of positive ints, got {buckets!r}")
         if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
             raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1 and top_k >= 0, got top_p={self.top_p}, "
                              f"min_p={self.min_p}, top_k={self.top_k}")
@@ -116,13 +146,18 @@ def filter_logits(logits: jax.Array, config: SamplingConfig, temperature: jax.Ar
 def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
                  temperature: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row of `logits [batch, vocab]`; returns `(tokens [batch], logp [batch])`."""
-    if config.temperature == 0.0:
-        tokens = first_max_index(logits)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        logp = jax.nn.log_softmax(filter_logits(logits, config, temperature), axis=-1)
-        tokens = inverse_cdf_sample(jnp.exp(logp), key)
+    tokens, logp = _draw(logits, key, config, temperature)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, temperature: jax.Array | None = None,
+          uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`(tokens [batch], log-probs [batch, vocab])` of `sample_token`; `uniform [batch, 1]` replaces the draw
+    from `key` (the compacted decode's rows of the whole batch's draw)."""
+    if config.temperature == 0.0:
+        return first_max_index(logits), jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(filter_logits(logits, config, temperature), axis=-1)
+    return inverse_cdf_sample(jnp.exp(logp), key, uniform=uniform), logp
 
 
 def first_max_index(x: jax.Array) -> jax.Array:
@@ -138,7 +173,8 @@ def _last_true_index(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(x, jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), -1), axis=-1)
 
 
-def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128) -> jax.Array:
+def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128,
+                       uniform: jax.Array | None = None) -> jax.Array:
     """One index per row of `probs [batch, vocab]` (non-negative, any total), drawn with probability
     proportional to its entry: the first index whose cumulative sum exceeds a uniform draw. int32 `[batch]`.
 
@@ -147,13 +183,16 @@ def inverse_cdf_sample(probs: jax.Array, key: jax.Array, block: int = 128) -> ja
     levels, over blocks of `block` entries and then within the chosen block, because a cumulative sum over a
     32k vocabulary is 20x slower on XLA:CPU than the two short ones. Zero-probability entries are never drawn;
     a row without probability mass (NaN logits) gives index 0, so the id stays inside the vocabulary.
+    `uniform [batch, 1]` in [0, 1), when given, is used instead of `jax.random.uniform(key, (batch, 1))`.
     """
     batch, vocab = probs.shape
     blocks = -(-vocab // block)
     probs = jnp.pad(probs.astype(jnp.float32), ((0, 0), (0, blocks * block - vocab))).reshape(batch, blocks, block)
     block_mass = probs.sum(axis=-1)
     block_cdf = jnp.cumsum(block_mass, axis=-1)
-    u = jax.random.uniform(key, (batch, 1), jnp.float32) * block_cdf[:, -1:]
+    if uniform is None:
+        uniform = jax.random.uniform(key, (batch, 1), jnp.float32)
+    u = uniform * block_cdf[:, -1:]
     chosen = _positive_at_or_after(block_mass, jnp.sum(block_cdf <= u, axis=-1))  # the first cdf above u
     within = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]
     u_within = u - jnp.take_along_axis(block_cdf - block_mass, chosen[:, None], axis=1)
@@ -189,6 +228,7 @@ def sample(
     *,
     group_size: int = 1,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
+    forced_lengths=None,
 ) -> Rollout:
     """Sample `group_size` completions per prompt row.
 
@@ -208,10 +248,20 @@ def sample(
       stop_sequences: token id sequences that end a completion when its last tokens equal one (static; e.g.
         a stop string's encoding: `stop_sequences_for`). The sequence is part of the completion;
         `finish_reason` is FINISH_EOS.
+      forced_lengths: for benchmarks and tests: `[P * group_size]` ints in `[1, max_new_tokens]`; row i emits
+        the first stop id of `eos_id` (not -1) at step `forced_lengths[i] - 1` and ends there (FINISH_EOS),
+        its log-probs those of that token. Stop ids and stop sequences sampled before do not end such rows,
+        so the lengths are exact. None (the default) costs nothing.
+
+    With `config.compaction` (the default), the decode runs one jitted segment at a time and continues with
+    only the rows that have not finished (`_sample_compacted`); the tokens and log-probs are those of the
+    single-program sampler (`_sample`), which runs instead inside a caller's jit, in multi-process runs and
+    with compaction off.
 
     Raises `ValueError` before compiling for no prompts, an empty prompt, a token id outside the vocabulary (in
     a prompt, its padding, `pad_id`, `eos_id` or `stop_sequences`; `eos_id` may be -1: never sampled), a prompt
-    plus `max_new_tokens` beyond the model's `max_position_embeddings`, or `group_size < 1`.
+    plus `max_new_tokens` beyond the model's `max_position_embeddings`, `group_size < 1`, bad
+    `forced_lengths`, or `config.batch_buckets` that do not cover the batch.
     """
     _check_inputs(policy, prompt_tokens, prompt_valid, config, group_size)
     vocab = policy.config.vocab_size
@@ -223,8 +273,32 @@ def sample(
         raise ValueError("stop_sequences: every stop sequence needs at least one token id")
     if not 0 <= pad_id < vocab:  # fed back after a completion ends: beyond the table, NaN
         raise ValueError(f"pad_id: token id {pad_id} is outside the model's vocabulary [0, {vocab})")
-    return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
-                   group_size=group_size, stop_sequences=stop_sequences)
+    batch = prompt_tokens.shape[0] * group_size
+    if forced_lengths is not None:
+        forced_lengths = _check_forced_lengths(forced_lengths, batch, config, eos_id)
+    off = _compaction_off_reason(policy, prompt_tokens, prompt_valid, rng, temperature, config, batch)
+    buckets = batch_buckets(config, batch, data_parallel_size(policy.layout)) if config.compaction else ()
+    if off is not None:
+        return _sample(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
+                       group_size=group_size, stop_sequences=stop_sequences, forced_lengths=forced_lengths)
+    return _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config, eos_id, pad_id, temperature,
+                             group_size=group_size, stop_sequences=stop_sequences, forced_lengths=forced_lengths,
+                             buckets=buckets)
+
+
+def _check_forced_lengths(forced_lengths, batch: int, config: SamplingConfig, eos_id) -> jax.Array:
+    if isinstance(forced_lengths, jax.core.Tracer):
+        raise ValueError("forced_lengths must be concrete (a benchmark and test setting), not traced")
+    lengths = np.asarray(forced_lengths)
+    if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"forced_lengths must be {batch} ints (one per sampled row), got shape {lengths.shape} "
+                         f"of {lengths.dtype}")
+    if lengths.min() < 1 or lengths.max() > config.max_new_tokens:
+        raise ValueError(f"forced_lengths must lie in [1, max_new_tokens={config.max_new_tokens}], got "
+                         f"[{lengths.min()}, {lengths.max()}]")
+    if all(t < 0 for t in (eos_id if isinstance(eos_id, tuple) else (eos_id,))):
+        raise ValueError("forced_lengths needs a stop id in eos_id to emit (eos_id is -1, never sampled)")
+    return jnp.asarray(lengths, jnp.int32)
 
 
 def _sequence(name: str, value) -> tuple:
@@ -248,7 +322,7 @@ def _token_ids(name: str, value, vocab_size: int, allow_never: bool) -> int | tu
 def compiled_programs() -> int:
     """How many sampler programs have been compiled in this process (one per distinct static setting and
     input shape): the figure to keep small by bucketing prompt lengths and batch sizes."""
-    return _sample._cache_size()
+    return sum(program._cache_size() for program in _PROGRAMS)
 
 
 def _check_inputs(policy: Policy, prompt_tokens, prompt_valid, config: SamplingConfig, group_size: int) -> None:
@@ -359,63 +433,111 @@ def gathered_weights(policy: Policy) -> Policy:
     return policy.replace(params=jax.tree_util.tree_map_with_path(place, policy.params))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size", "stop_sequences"))
-def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id, temperature,
-            *, group_size: int, stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Rollout:
-    stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
-    if config.gather_weights:
-        policy = gathered_weights(policy)
+class _Decode(NamedTuple):
+    """The decode loop's carry over `B'` rows: the whole batch (`B = P * G`), or after compaction the live rows
+    of `P'` prompt slots of `G'` rows each (unused rows padded as finished). N = max_new_tokens."""
+
+    step: jax.Array  # scalar int32: the next decode step
+    cache: GroupKVCache  # prompt part `[P', ...]`, own part `[P' * G', ...]` (length: the steps so far, or more)
+    logits: jax.Array  # `[B', vocab]` float32: the next token's logits
+    tokens: jax.Array  # `[B', N]` int32 completion so far (pad after a row's end)
+    logps: jax.Array  # `[B', N]` float32 sampler log-probs
+    policy_logps: jax.Array  # `[B', N]` float32 (`SamplingConfig.policy_logp`), else a float32 scalar 0
+    mask: jax.Array  # `[B', N]` bool completion mask
+    done: jax.Array  # `[B']` bool: finished (or an unused slot)
+    position: jax.Array  # `[B']` int32 rotary position of step 0's token
+    prompt_valid: jax.Array  # `[B', Lp]` bool
+    rows: jax.Array | None  # `[B']` int32 rollout row of each row (B: an unused slot); None: the whole batch
+    forced: jax.Array | None  # `[B']` int32 forced completion lengths (`sample(forced_lengths=...)`) or None
+
+
+def _prefill(policy: Policy, prompt_tokens, prompt_valid, forced, config: SamplingConfig, pad_id: int,
+             group_size: int, rows: bool) -> tuple[_Decode, jax.Array, jax.Array]:
+    """Prefill the distinct prompts once (their caches shared by the samples of each, never repeated): the
+    decode state before step 0, and the prompt tokens and mask repeated per sample `[B, Lp]`."""
     num_prompts, prompt_len = prompt_tokens.shape
     batch, max_new = num_prompts * group_size, config.max_new_tokens
     positions = models.positions_from_mask(prompt_valid)
-
-    # Prefill the distinct prompts once; their caches are shared by the samples of each (never repeated).
     int8 = config.kv_cache_dtype == "int8"
     prompt_cache = KVCache.zeros(policy.config, num_prompts, prompt_len, int8)
     hidden, prompt_cache = models.apply(policy, prompt_tokens, positions, prompt_valid, prompt_cache, 0)
     logits = jnp.repeat(models.logits_from_hidden(policy, hidden[:, -1:])[:, 0], group_size, axis=0)
     prompt_tokens, prompt_valid, positions = (jnp.repeat(x, group_size, axis=0)
                                               for x in (prompt_tokens, prompt_valid, positions))
-    next_position = positions[:, -1] + 1
+    state = _Decode(
+        step=jnp.int32(0),
+        cache=GroupKVCache(prompt_cache, KVCache.zeros(policy.config, batch, 0, int8)),
+        logits=logits,
+        tokens=jnp.full((batch, max_new), pad_id, jnp.int32),
+        logps=jnp.zeros((batch, max_new), jnp.float32),
+        policy_logps=jnp.zeros((batch, max_new), jnp.float32) if config.policy_logp else jnp.zeros((), jnp.float32),
+        mask=jnp.zeros((batch, max_new), bool),
+        done=jnp.zeros((batch,), bool),
+        position=positions[:, -1] + 1,
+        prompt_valid=prompt_valid,
+        rows=jnp.arange(batch, dtype=jnp.int32) if rows else None,
+        forced=None if forced is None else jnp.asarray(forced, jnp.int32),
+    )
+    return state, prompt_tokens, prompt_valid
 
-    def body(carry, key_valid):
-        step, cache, logits, tokens, logps, policy_logps, mask, done = carry
-        token, logp = sample_token(logits, jax.random.fold_in(rng, step), config, temperature)
-        token = jnp.where(done, pad_id, token)
-        tokens = tokens.at[:, step].set(token)
-        logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
-        if config.policy_logp:
-            raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-            policy_logps = policy_logps.at[:, step].set(jnp.where(done, 0.0, raw))
-        mask = mask.at[:, step].set(~done)
+
+def _decode_step(state: _Decode, key_valid, *, policy, rng, config: SamplingConfig, temperature, stop_ids,
+                 pad_id: int, stop_sequences, batch: int) -> _Decode:
+    """One decode step of every row of `state`: draw (the row's share of the whole batch's uniforms when the
+    rows are a compacted subset), record, check the stops, and run the new tokens through the model."""
+    step = state.step
+    key = jax.random.fold_in(rng, step)
+    uniform = None
+    if state.rows is not None and config.temperature != 0.0:  # the whole batch's draw, as without compaction
+        uniform = jax.random.uniform(key, (batch, 1), jnp.float32)[jnp.minimum(state.rows, batch - 1)]
+    token, logp = _draw(state.logits, key, config, temperature, uniform)
+    if state.forced is not None:
+        force = step == state.forced - 1
+        token = jnp.where(force, stop_ids[0], token)
+    done = state.done
+    token = jnp.where(done, pad_id, token)
+    logp = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    tokens = state.tokens.at[:, step].set(token)
+    logps = state.logps.at[:, step].set(jnp.where(done, 0.0, logp))
+    policy_logps = state.policy_logps
+    if config.policy_logp:
+        raw = jnp.take_along_axis(jax.nn.log_softmax(state.logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        policy_logps = policy_logps.at[:, step].set(jnp.where(done, 0.0, raw))
+    mask = state.mask.at[:, step].set(~done)
+    if state.forced is not None:  # the forced length alone ends the row
+        done = done | force
+    else:
         done = done | jnp.isin(token, stop_ids)
         if stop_sequences:  # the completion's last tokens (-1 before its start: never part of a match)
             width = max(map(len, stop_sequences))
             window = jax.lax.dynamic_slice_in_dim(jnp.pad(tokens, ((0, 0), (width, 0)), constant_values=-1),
                                                   step + 1, width, axis=1)
             done = done | _ends_with_stop(window, stop_sequences)
-        hidden, cache = models.apply(policy, token[:, None], (next_position + step)[:, None], key_valid, cache,
-                                     step)
-        logits = models.logits_from_hidden(policy, hidden)[:, 0]
-        return step + 1, cache, logits, tokens, logps, policy_logps, mask, done
+    hidden, cache = models.apply(policy, token[:, None], (state.position + step)[:, None], key_valid, state.cache,
+                                 step)
+    logits = models.logits_from_hidden(policy, hidden)[:, 0]
+    return state._replace(step=step + 1, cache=cache, logits=logits, tokens=tokens, logps=logps,
+                          policy_logps=policy_logps, mask=mask, done=done)
 
-    carry = (
-        jnp.int32(0),
-        GroupKVCache(prompt_cache, KVCache.zeros(policy.config, batch, 0, int8)),
-        logits,
-        jnp.full((batch, max_new), pad_id, jnp.int32),
-        jnp.zeros((batch, max_new), jnp.float32),
-        jnp.zeros((batch, max_new), jnp.float32) if config.policy_logp else jnp.zeros((), jnp.float32),
-        jnp.zeros((batch, max_new), bool),
-        jnp.zeros((batch,), bool),
-    )
-    for start, end in decode_segments(max_new, config.decode_segments):
-        step, cache, *rest = carry
-        carry = (step, GroupKVCache(cache.prompt, cache.own.extend(end - start)), *rest)
-        key_valid = jnp.concatenate([prompt_valid, jnp.ones((batch, end), bool)], axis=1)
-        carry = jax.lax.while_loop(lambda carry, end=end: (carry[0] < end) & ~jnp.all(carry[-1]),
-                                   functools.partial(body, key_valid=key_valid), carry)
-    _, _, _, tokens, logps, policy_logps, mask, done = carry
+
+def _decode_segment(policy, state: _Decode, rng, temperature, end, *, cache_len: int, config: SamplingConfig,
+                    eos_id, pad_id: int, stop_sequences, batch: int) -> _Decode:
+    """Decode until step `end` (an int, or traced) or until every row of `state` has finished, over an own cache
+    grown to `cache_len >= end` slots."""
+    stop_ids = jnp.asarray(eos_id if isinstance(eos_id, tuple) else (eos_id,), jnp.int32)
+    stop_ids = stop_ids[jnp.argmax(stop_ids >= 0)][None] if state.forced is not None else stop_ids
+    rows = state.logits.shape[0]
+    own = state.cache.own
+    if own.length < cache_len:
+        state = state._replace(cache=GroupKVCache(state.cache.prompt, own.extend(cache_len - own.length)))
+    key_valid = jnp.concatenate([state.prompt_valid, jnp.ones((rows, cache_len), bool)], axis=1)
+    body = functools.partial(_decode_step, key_valid=key_valid, policy=policy, rng=rng, config=config,
+                             temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
+                             stop_sequences=stop_sequences, batch=batch)
+    return jax.lax.while_loop(lambda s: (s.step < end) & ~jnp.all(s.done), body, state)
+
+
+def _rollout(tokens, logps, policy_logps, mask, done, prompt_tokens, prompt_valid, config: SamplingConfig):
     return Rollout(
         tokens=jnp.concatenate([prompt_tokens, tokens], axis=1),
         prompt_valid=prompt_valid,
@@ -424,3 +546,217 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
         finish_reason=jnp.where(done, FINISH_EOS, FINISH_LENGTH).astype(jnp.int32),
         policy_logp=policy_logps if config.policy_logp else None,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "eos_id", "pad_id", "group_size", "stop_sequences"))
+def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id, temperature,
+            *, group_size: int, stop_sequences: tuple[tuple[int, ...], ...] = (), forced_lengths=None) -> Rollout:
+    """The whole sampler as one program: prefill, then the decode segments, each a `lax.while_loop` that
+    stops early only when every row has finished."""
+    if config.gather_weights:
+        policy = gathered_weights(policy)
+    state, prompt_tokens, prompt_valid = _prefill(policy, prompt_tokens, prompt_valid, forced_lengths, config,
+                                                  pad_id, group_size, rows=False)
+    for _, end in decode_segments(config.max_new_tokens, config.decode_segments):
+        state = _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
+                                pad_id=pad_id, stop_sequences=stop_sequences, batch=state.done.shape[0])
+    return _rollout(state.tokens, state.logps, state.policy_logps, state.mask, state.done, prompt_tokens,
+                    prompt_valid, config)
+
+
+# ----------------------------------------------------------------------------- compacted decode: one program
+# for the prefill, one per decode segment and pair of batch shapes (before and after the compaction that starts
+# it, if any; the own cache grows to the segment's end: a cache as long as `max_new_tokens` from the start made
+# the ragged bench-small workload 1.4x slower on a 2-core CPU), one to finish per batch shape. The host reads the
+# finished flags between segments and gathers the live rows into the smallest bucket that holds them.
+
+@functools.partial(jax.jit, static_argnames=("config", "pad_id", "group_size"))
+def _prefill_program(policy, prompt_tokens, prompt_valid, forced, *, config: SamplingConfig, pad_id: int,
+                     group_size: int):
+    """The decode state before step 0 and the rollout's outputs (`_scatter_rows`)."""
+    state, _, _ = _prefill(policy, prompt_tokens, prompt_valid, forced, config, pad_id, group_size, rows=True)
+    return state, _scatter_rows(None, state, state.done.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("end", "config", "eos_id", "pad_id", "stop_sequences", "batch"))
+def _segment_program(policy, state: _Decode, outputs, slot_source, row_source, rng, temperature, *, end: int,
+                     config: SamplingConfig, eos_id, pad_id: int, stop_sequences, batch: int):
+    """One decode segment of the compacted decode, to step `end`: first, given `slot_source` and `row_source`
+    (else None), the compaction (`_compact`) of `state` into a smaller batch. Returns `(state, outputs)`."""
+    if slot_source is not None:
+        outputs, state = _compact(outputs, state, slot_source, row_source, batch)
+    state = _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
+                            pad_id=pad_id, stop_sequences=stop_sequences, batch=batch)
+    return state, outputs
+
+
+_gather_program = jax.jit(gathered_weights)
+
+
+def _compact(outputs, state: _Decode, slot_source, row_source, batch: int):
+    """Write the rows of `state` into the rollout's `outputs` (tokens, logps, policy_logps, mask, done over all
+    `batch` rows), then gather the new state: prompt slot s holds the cache of the state's slot
+    `slot_source[s]`, row j is the state's row `row_source[j]` (-1: an unused row, finished)."""
+    outputs = _scatter_rows(outputs, state, batch)
+    used = row_source >= 0
+    source = jnp.maximum(row_source, 0)
+
+    def take(x):
+        return jnp.take(x, source, axis=0)
+
+    prompt = KVCache(*(tuple(jnp.take(x, slot_source, axis=0) for x in part) for part in state.cache.prompt))
+    own = KVCache(*(tuple(map(take, part)) for part in state.cache.own))
+    state = _Decode(
+        step=state.step,
+        cache=GroupKVCache(prompt, own),
+        logits=take(state.logits),
+        tokens=take(state.tokens),
+        logps=take(state.logps),
+        policy_logps=take(state.policy_logps) if state.policy_logps.ndim else state.policy_logps,
+        mask=take(state.mask),
+        done=take(state.done) | ~used,
+        position=take(state.position),
+        prompt_valid=take(state.prompt_valid),
+        rows=jnp.where(used, take(state.rows), batch),
+        forced=None if state.forced is None else take(state.forced),
+    )
+    return outputs, state
+
+
+def _scatter_rows(outputs, state: _Decode, batch: int):
+    """`outputs` (or new ones) with each row of `state` written at its rollout row (unused rows dropped)."""
+    parts = (state.tokens, state.logps, state.policy_logps, state.mask, state.done)
+    if outputs is None:
+        outputs = tuple(x if x.ndim == 0 else jnp.zeros((batch, *x.shape[1:]), x.dtype) for x in parts)
+    return tuple(full if part.ndim == 0 else full.at[state.rows].set(part, mode="drop")
+                 for full, part in zip(outputs, parts))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "group_size"))
+def _finish_program(outputs, state: _Decode, prompt_tokens, prompt_valid, *, config: SamplingConfig,
+                    group_size: int) -> Rollout:
+    """The rollout: `outputs` with the last state's rows written in. `state` comes without its cache (one
+    program per batch shape, not per cache length)."""
+    outputs = _scatter_rows(outputs, state, prompt_tokens.shape[0] * group_size)
+    prompt_tokens, prompt_valid = (jnp.repeat(x, group_size, axis=0) for x in (prompt_tokens, prompt_valid))
+    return _rollout(*outputs, prompt_tokens, prompt_valid, config)
+
+
+_PROGRAMS = (_sample, _prefill_program, _segment_program, _gather_program, _finish_program)
+
+
+def data_parallel_size(layout: models.Layout | None) -> int:
+    """The number of parts the batch is split into under `layout` (its `batch` rule's mesh axes); 1 without."""
+    if layout is None:
+        return 1
+    return int(np.prod([layout.mesh.shape[a] for a in dict(layout.rules).get("batch", ())], dtype=np.int64))
+
+
+def default_batch_buckets(batch: int, parallel: int = 1) -> tuple[int, ...]:
+    """The batch sizes a compacted decode of `batch` rows may shrink to by default: `batch` and its successive
+    halvings (rounded up to a multiple of `parallel`, the data-parallel size), ascending."""
+    sizes, size = {batch}, batch
+    while size > parallel:
+        size = -(-size // 2)
+        sizes.add(-(-size // parallel) * parallel)
+    return tuple(sorted(sizes))
+
+
+def batch_buckets(config: SamplingConfig, batch: int, parallel: int = 1) -> tuple[int, ...]:
+    """`config.batch_buckets` checked against a batch of `batch` sequences (or the default ones), ascending."""
+    if not config.batch_buckets:
+        return default_batch_buckets(batch, parallel)
+    buckets = tuple(sorted(set(config.batch_buckets)))
+    if buckets[-1] < batch:
+        raise ValueError(f"SamplingConfig.batch_buckets {config.batch_buckets} do not cover the batch of {batch} "
+                         f"sequences (prompts x group_size): the largest bucket must be >= {batch}")
+    uneven = [b for b in buckets if b % parallel]
+    if uneven:
+        raise ValueError(f"SamplingConfig.batch_buckets {uneven} are not multiples of the data-parallel size "
+                         f"{parallel} of the policy's mesh")
+    return buckets
+
+
+def compacted_layout(live_rows: np.ndarray, group_size: int, buckets: tuple[int, ...],
+                     parallel: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Where the live rows go in a compacted batch: `(slot_prompts [P'], rows [P' * G'])`.
+
+    `live_rows`: the rollout rows `p * group_size + g` still decoding, ascending. The compacted batch is `P'`
+    prompt slots of `G'` rows each: slot s shares the cache of prompt `slot_prompts[s]`, and its rows are
+    `rows[s * G' : (s + 1) * G']` (-1: an unused row). A prompt with more than `G'` live rows takes several
+    slots (its cache gathered into each). `P' * G'` is the smallest bucket that holds the live rows this way with
+    `P'` a multiple of `parallel`, and `G'` is `group_size` where that fits in it (one slot per prompt: the most
+    sharing), else 1 (a slot per row, which always fits the smallest bucket). Two widths only, so that a run
+    meets few batch shapes, each compiled once (intermediate widths saved little: past the prompt, a row reads
+    its own keys, not shared ones). Unused slots read prompt `slot_prompts[0]`.
+    """
+    prompts = live_rows // group_size
+    widths = sorted({group_size, 1}, reverse=True)
+    counts = np.bincount(prompts, minlength=int(prompts.max()) + 1) if prompts.size else np.zeros(1, np.int64)
+    for size in buckets:
+        for width in widths:
+            if size % width or (size // width) % parallel:
+                continue
+            needed = int(np.sum(-(-counts // width)))
+            if needed <= size // width:
+                slots, rows = [], []
+                for p in np.flatnonzero(counts):
+                    mine = live_rows[prompts == p]
+                    for first in range(0, mine.size, width):
+                        chunk = mine[first:first + width]
+                        slots.append(p)
+                        rows += [*chunk, *[-1] * (width - chunk.size)]
+                unused = size // width - len(slots)
+                slots += [slots[0] if slots else 0] * unused
+                rows += [-1] * (unused * width)
+                return np.asarray(slots, np.int32), np.asarray(rows, np.int32)
+    raise ValueError(f"no batch bucket of {buckets} holds {live_rows.size} rows")  # buckets cover the batch
+
+
+def _compaction_off_reason(policy: Policy, prompt_tokens, prompt_valid, rng, temperature, config: SamplingConfig,
+                           batch: int) -> str | None:
+    """Why the sampler runs as one program (`_sample`) instead of compacting, or None."""
+    if not config.compaction:
+        return "SamplingConfig.compaction is off"
+    if any(isinstance(x, jax.core.Tracer)
+           for x in jax.tree.leaves((policy.params, prompt_tokens, prompt_valid, rng, temperature))):
+        return "traced inside a caller's jit: the host cannot read the finished rows"
+    if jax.process_count() > 1:
+        return "multi-process run: every process would need every process's finished rows at every segment"
+    if batch == 1 or len(decode_segments(config.max_new_tokens, config.compaction_segments)) == 1:
+        return "nothing to compact: one row, or one decode segment"
+    return None
+
+
+def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eos_id, pad_id: int,
+                      temperature, *, group_size: int, stop_sequences, forced_lengths, buckets) -> Rollout:
+    """The sampler with the decode driven from the host, one segment at a time (see `SamplingConfig.compaction`)."""
+    num_prompts = prompt_tokens.shape[0]
+    batch = num_prompts * group_size
+    parallel = data_parallel_size(policy.layout)
+    if config.gather_weights and sampling_layout(policy.layout) is not None:
+        policy = _gather_program(policy)
+    state, outputs = _prefill_program(policy, prompt_tokens, prompt_valid, forced_lengths, config=config,
+                                      pad_id=pad_id, group_size=group_size)
+    slots, rows = np.arange(num_prompts), np.arange(batch)  # the state's prompt of each slot, row of each row
+    for start, end in decode_segments(config.max_new_tokens, config.compaction_segments):
+        compaction = (None, None)
+        if start:
+            live = rows[(rows >= 0) & ~np.asarray(state.done)]
+            if not live.size:
+                break
+            new_slots, new_rows = compacted_layout(live, group_size, buckets, parallel)
+            if new_rows.size < rows.size:
+                first_slot = {}  # a slot of the state holding each prompt's cache
+                for s, p in enumerate(slots):
+                    first_slot.setdefault(int(p), s)
+                position = {r: j for j, r in enumerate(rows) if r >= 0}
+                slot_source = np.asarray([first_slot[int(p)] for p in new_slots], np.int32)
+                row_source = np.asarray([position[r] if r >= 0 else -1 for r in new_rows], np.int32)
+                compaction = (slot_source, row_source)
+                slots, rows = new_slots, new_rows
+        state, outputs = _segment_program(policy, state, outputs, *compaction, rng, temperature, end=end,
+                                          config=config, eos_id=eos_id, pad_id=pad_id,
+                                          stop_sequences=stop_sequences, batch=batch)
+    state = state._replace(cache=None, logits=None)
+    return _finish_program(outputs, state, prompt_tokens, prompt_valid, config=config, group_size=group_size)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl import models
-from jaxrl.sampling import (FINISH_EOS, FINISH_LENGTH, SamplingConfig, _sample, compiled_programs, filter_logits,
+from jaxrl.sampling import (FINISH_EOS, FINISH_LENGTH, SamplingConfig, compiled_programs, filter_logits,
                             sample, sample_token)
 
 CONFIG = models.ModelConfig(vocab_size=24, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -149,10 +149,10 @@ def test_min_p_filter():
 def test_bad_prompts_stop_before_compiling(edit, match):
     policy = models.init(CONFIG, 0)
     tokens, valid = edit(*_prompts())
-    before = _sample._cache_size()
+    before = compiled_programs()
     with pytest.raises(ValueError, match=match):
         sample(policy, tokens, valid, jax.random.key(0), SamplingConfig(max_new_tokens=3), EOS, PAD)
-    assert _sample._cache_size() == before
+    assert compiled_programs() == before
 
 
 def test_bad_lengths_and_settings():
@@ -182,11 +182,11 @@ def test_bad_lengths_and_settings():
 ])
 def test_bad_stop_ids_stop_before_compiling(eos_id, stop_sequences, match):
     tokens, valid = _prompts()
-    before = _sample._cache_size()
+    before = compiled_programs()
     with pytest.raises(ValueError, match=match):
         sample(models.init(CONFIG, 0), tokens, valid, jax.random.key(0), SamplingConfig(2), eos_id, PAD,
                stop_sequences=stop_sequences)
-    assert _sample._cache_size() == before
+    assert compiled_programs() == before
 
 
 def test_stop_ids_given_as_lists_are_the_tuples():
