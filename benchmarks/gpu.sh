@@ -10,7 +10,7 @@
 #                                   # (benchmarks/plan_check.py); both recipes, or one with the whole call
 #   bash benchmarks/gpu.sh ragged   # packed rows (issue 36): cuDNN's variable-length attention and a packed
 #                                   # Qwen2.5-0.5B forward checked (benchmarks/gpu_packed.py), then the ragged
-#                                   # sampler and train benchmarks; about 6 minutes
+#                                   # sampler and train benchmarks; about 8.5 minutes
 # Logs go to $OUT (or ./gpu-logs). Uses the machine's python3 with jax[cuda], flax, optax installed.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -78,7 +78,7 @@ plan)  # real lengths, random weights, 3 RL steps per phase; each recipe bounded
       --budget $((limit - 20)) --out "$OUT/plan_check_$name.json" 2>&1 | tee "$OUT/plan_check_$name.txt"
   done
   ;;
-ragged)  # each stage bounded so that the whole case ends in about 6 minutes (a stage cut short says so in its log)
+ragged)  # each stage bounded so that the whole case ends in about 8.5 minutes (a stage cut short says so in its log)
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
     | tee "$OUT/ragged_versions.txt"
   $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', \
@@ -90,10 +90,10 @@ ragged)  # each stage bounded so that the whole case ends in about 6 minutes (a 
     export JAXRL_CUDNN_PACKED=0
     echo "JAXRL_CUDNN_PACKED=0 for the benchmarks below: packed rows take XLA attention" | tee -a "$OUT/gpu_packed.txt"
   fi
-  timeout 120 $PY -m jaxrl.bench sample --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --compare-compaction \
+  timeout 200 $PY -m jaxrl.bench sample --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --compare-compaction \
     --prompts 8 --group 8 --prompt-len 256 --new-tokens 512 --bandwidth 2>&1 | tee "$OUT/sample_ragged.txt"
   echo "bench sample exit ${PIPESTATUS[0]}" | tee -a "$OUT/sample_ragged.txt"
-  timeout 120 $PY -m jaxrl.bench train --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --packing compare \
+  timeout 150 $PY -m jaxrl.bench train --model qwen2.5-0.5b --dtype bfloat16 --lengths ragged --packing compare \
     --sequences 64 --prompt-len 256 --completion-len 512 2>&1 | tee "$OUT/train_ragged.txt"
   echo "bench train exit ${PIPESTATUS[0]}" | tee -a "$OUT/train_ragged.txt"
   ;;
