@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpu_checks import _relative_error  # benchmarks/ is the script's own folder
+
 from jaxrl import models
 from jaxrl.bench import ragged_lengths
 from jaxrl.kernels.attention import (_cudnn_packed_self_attention, _cudnn_ragged_attention, _cudnn_ragged_entry_point,
@@ -65,15 +67,6 @@ def pack(lengths, row: int):
         segments[r, start:start + lengths[i]] = 1 + max(segments[r].max(), 0)
         positions[r, start:start + lengths[i]] = np.arange(lengths[i])
     return segments, positions, places
-
-
-def _relative_error(got, want, real=None) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if real is not None:
-        got, want = got[real], want[real]
-    if not np.isfinite(got).all():
-        return float("inf")
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _lengths(count, seq, seed):

@@ -72,9 +72,9 @@ class SamplingConfig:
     batch_buckets: tuple[int, ...] = ()
     # With compaction, the decode runs in up to this many segments instead of `decode_segments` (at least
     # `MIN_SEGMENT_STEPS` steps each): finished rows are dropped after each, so more segments drop them sooner, at
-    # the price of more programs to compile. On the ragged bench-small workload (2-core CPU, 2026-11-27) 4 gave
-    # 1.6x the single program's useful tokens/s, 8 2.3x; 16 was no faster than 8 (19.0 s vs 19.9 s per call)
-    # and compiles twice the programs.
+    # the price of more programs to compile. On the ragged bench-small workload (2-core CPU, 2026-11-27) 8 gave
+    # 1.69x the single program's useful tokens/s; 16 was no faster (19.0 s vs 19.9 s per call) and compiles
+    # twice the programs (benchmarks/RESULTS.md, issue 36).
     compaction_segments: int = dataclasses.field(default=8, metadata={"gt": 0})
 
     def __post_init__(self):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -329,10 +328,7 @@ def cudnn_packed_available(mesh=None) -> bool:
     """Whether packed rows can take cuDNN's variable-length kernel: the target devices (`mesh`'s, else the
     default backend's) are NVIDIA GPUs of compute capability 9.0 (Hopper) or newer, which JAX requires of it,
     and JAX's private cuDNN entry point takes segment offsets (`_cudnn_ragged_entry_point`: a JAX release that
-    changes it falls back to XLA instead of failing). The environment variable `JAXRL_CUDNN_PACKED=0` turns it
-    off (packed rows then take the XLA path on GPUs too)."""
-    if os.environ.get("JAXRL_CUDNN_PACKED", "1") == "0":
-        return False
+    changes it falls back to XLA instead of failing). `attention_impl: xla` keeps packed rows off it."""
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
         return False

@@ -3,7 +3,6 @@ and gradients against the padded path (`completion_logprobs`, `make_rl_gradients
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import jax
@@ -12,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from fake_devices import run_on_eight_devices
 from jaxrl import losses, models
 from jaxrl.losses import Controls, LossConfig
 from jaxrl.packing import PackingError, bucket, plan_packing, sequence_lengths
@@ -275,13 +275,7 @@ print("OK")
 
 
 def test_a_packed_step_on_eight_data_shards_equals_the_padded_single_device_step():
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env, cwd=os.path.dirname(here),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    run_on_eight_devices(DATA_PARALLEL_SCRIPT)
 
 
 # --------------------------------------------------------------------------- the run loop

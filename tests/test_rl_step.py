@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from fake_devices import run_on_eight_devices
 from jaxrl import models
 from jaxrl import loop, losses
 from jaxrl.checkpoint import Checkpointer
@@ -267,15 +268,7 @@ print("OK")
 
 def test_data_parallel_meshes_give_the_single_device_loss_and_gradient():
     """Whole-batch normalisers make the loss independent of data parallelism (8 fake CPU devices)."""
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], env=env, cwd=os.path.dirname(here),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    run_on_eight_devices(DATA_PARALLEL_SCRIPT)
 
 
 def test_controllers_move_the_entropy_coefficient_and_temperature_and_are_checkpointed(tmp_path, monkeypatch):

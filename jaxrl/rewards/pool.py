@@ -524,6 +524,8 @@ class WorkerPool:
                     done(w.job, Outcome("ok", value) if ok else Outcome("raised", value))
                     w.job, w.deadline = None, math.inf
                 elif died or msg is not None:
+                    if died:  # its pipe can close before the process is reaped: wait for the exit code
+                        w.process.join(_KILL_GRACE_S)
                     done(w.job, Outcome("died", w.process.exitcode))
                     log.debug("%s worker died on job %s", self.what, w.job)
                     self._replace(w)
