@@ -122,18 +122,8 @@ def test_splash_self_attention_in_interpret_mode_matches_xla(case, dtype, tolera
 
 
 def test_splash_gradients_match_xla():
-    from jaxrl.kernels.attention import self_attention
-
     q, k, v, valid = _self_attention_case(jnp.float32, seq=24)
-    weights = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape), jnp.float32) * valid[..., None, None]
-
-    def loss(impl):
-        return lambda q, k, v: jnp.sum(self_attention(q, k, v, valid, window=9, implementation=impl,
-                                                      interpret=True) * weights)
-    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    _assert_splash_gradients_match_xla(q, k, v, valid, window=9, seed=0)
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -351,19 +341,8 @@ def test_packed_self_attention_matches_a_numpy_reference(case, implementation):
 
 
 def test_packed_splash_gradients_match_xla():
-    from jaxrl.kernels.attention import self_attention
-
     q, k, v, segments = _packed_case(seq=24)
-    weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * (segments != 0)[
-        ..., None, None]
-
-    def loss(impl):
-        return lambda q, k, v: jnp.sum(self_attention(q, k, v, segments, window=6, implementation=impl,
-                                                      interpret=True) * weights)
-    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    _assert_splash_gradients_match_xla(q, k, v, segments, window=6, seed=1)
 
 
 def _reference_segment_ranges(segments, max_segments):
@@ -470,3 +449,20 @@ def test_packed_rows_take_xla_where_cudnn_packed_cannot_run():
     q, k, v, segments = _packed_case(jnp.bfloat16)
     np.testing.assert_array_equal(self_attention(q, k, v, segments, implementation="cudnn"),
                                   self_attention(q, k, v, segments))
+
+
+def _assert_splash_gradients_match_xla(q, k, v, valid, window, seed):
+    """Gradients of a random weighting of the real rows' outputs agree between splash (interpret) and XLA;
+    `valid`: bool padding or int segment ids."""
+    from jaxrl.kernels.attention import self_attention
+
+    weights = jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), jnp.float32) * (valid != 0)[
+        ..., None, None]
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(self_attention(q, k, v, valid, window=window, implementation=impl,
+                                                      interpret=True) * weights)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
