@@ -103,7 +103,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
                  new_tokens: int = 128, temperature: float = 1.0, prefix_sharing: bool = True, repeats: int = 3,
                  seed: int = 0, decode_segments: int | None = None, kv_cache_dtype: str = "compute",
                  dtype: str | None = None, bandwidth: bool = False, lengths: str = "fixed",
-                 compaction: bool | None = None, compaction_segments: int | None = None) -> dict:
+                 compaction: bool | None = None, compaction_segments: int | None = None,
+                 live_rows: int | None = None) -> dict:
     """Time `jaxrl.sampling.sample` on the workload of the module docstring; returns every figure.
 
     `model` is a preset name of `models.PRESETS` or a `models.ModelConfig`; `dtype` (e.g. "bfloat16") stores and
@@ -120,8 +121,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
     seed)[i]` (forced: `sample(forced_lengths=...)`, stop id `RAGGED_STOP_ID`) instead of running to
     `new_tokens`; the steps run are then the longest length, which `decode_step_s` divides by. Both workloads
     report `useful_tokens` (the tokens before and including each row's stop: the sum of the lengths) and
-    `useful_tokens_per_s`. `compaction` and `compaction_segments` set those `SamplingConfig` fields (None: the
-    sampler's default).
+    `useful_tokens_per_s`. `compaction`, `compaction_segments` and `live_rows` set those `SamplingConfig` fields
+    (None: the sampler's default).
     """
     import jax
 
@@ -145,6 +146,8 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         overrides["compaction"] = compaction
     if compaction_segments is not None:
         overrides["compaction_segments"] = compaction_segments
+    if live_rows is not None:
+        overrides["live_rows"] = live_rows
     if lengths not in ("fixed", "ragged"):
         raise ValueError(f"lengths must be 'fixed' or 'ragged', got {lengths!r}")
     sequences = prompts * group
@@ -197,6 +200,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
         "decode_segments": SamplingConfig(**overrides).decode_segments,
         "compaction": SamplingConfig(**overrides).compaction,
         "compaction_segments": SamplingConfig(**overrides).compaction_segments,
+        "live_rows": live_rows,
         "kv_cache_dtype": kv_cache_dtype,
         "repeats": repeats,
         "seed": seed,
@@ -604,6 +608,105 @@ def compare_compaction(rounds: int = 3, **kwargs) -> dict:
     }
 
 
+def compare_refill(live_rows: int, rounds: int = 2, model: Any = "bench-small", prompts: int = 32,
+                   prompt_len: int = 64, group: int = 8, new_tokens: int = 512, temperature: float = 1.0,
+                   seed: int = 0, lengths: str = "ragged", compaction_segments: int | None = None,
+                   dtype: str | None = None, kv_cache_dtype: str = "compute") -> dict:
+    """`prompts * group` rows (ragged lengths by default) sampled with at most `live_rows` rows decoding at once,
+    three ways, in this process: today's single program (`compaction` off) and the compacted decode each run
+    the rows as consecutive calls of `live_rows` rows (`live_rows / group` prompts per call, in order), and the
+    refilled decode (`SamplingConfig.live_rows`) runs them as one call whose finished slots take the waiting
+    rows. Every mode does the same useful work (each row stops at the same forced length). Each mode runs once
+    to compile, then `rounds` rounds of one timed pass of each mode back to back, so that all three see the same
+    machine load. Speedups: medians over the rounds of the ratio of pass times."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl import models
+    from jaxrl.sampling import SamplingConfig, sample
+
+    if live_rows < group or live_rows % group:
+        raise ValueError(f"live_rows must be a positive multiple of group={group}, got {live_rows}")
+    if prompts * group <= live_rows:
+        raise ValueError(f"prompts * group = {prompts * group} rows must exceed live_rows={live_rows}: nothing waits")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    model_name, config = _model_config(model)
+    if dtype is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    sequences = prompts * group
+    forced = (ragged_lengths(sequences, new_tokens, seed) if lengths == "ragged"
+              else np.full(sequences, new_tokens, np.int32))
+    policy = models.init(config, seed)
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, prompt_len),
+                                                              dtype=np.int32))
+    valid = jnp.ones(tokens.shape, bool)
+    key = jax.random.key(seed)
+    base = dict(max_new_tokens=new_tokens, temperature=temperature, top_k=0, top_p=1.0,
+                kv_cache_dtype=kv_cache_dtype)
+    if compaction_segments is not None:
+        base["compaction_segments"] = compaction_segments
+    per_call = live_rows // group
+
+    def chunked(compaction: bool):
+        settings = SamplingConfig(**base, compaction=compaction)
+
+        def run():
+            return [sample(policy, tokens[p:p + per_call], valid[p:p + per_call], key, settings, RAGGED_STOP_ID,
+                           PAD_ID, group_size=group, forced_lengths=forced[p * group:(p + per_call) * group])
+                    for p in range(0, prompts, per_call)]
+        return run
+
+    def refilled():
+        return [sample(policy, tokens, valid, key, SamplingConfig(**base, live_rows=live_rows), RAGGED_STOP_ID,
+                       PAD_ID, group_size=group, forced_lengths=forced)]
+
+    modes = {"single_program": chunked(False), "compaction": chunked(True), "refill": refilled}
+    first = {}
+    for name, run in modes.items():
+        start = time.perf_counter()
+        rollouts = jax.block_until_ready(run())
+        first[name] = time.perf_counter() - start
+        generated = sum(int(r.completion_mask.sum()) for r in rollouts)
+        if generated != int(forced.sum()):
+            raise RuntimeError(f"{name}: {generated} generated tokens, expected {int(forced.sum())}")
+    times = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, run in modes.items():
+            times[name].append(_timed(run))
+    useful = int(forced.sum())
+    device = jax.devices()[0]
+    return {
+        "benchmark": "sample_refill",
+        "model": model_name,
+        "parameters": models.num_parameters(config),
+        "dtype": config.dtype,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "group": group,
+        "sequences": sequences,
+        "live_rows": live_rows,
+        "new_tokens": new_tokens,
+        "lengths": lengths,
+        "length_distribution": (f"ragged_lengths(count={sequences}, max_new_tokens={new_tokens}, seed={seed})"
+                                if lengths == "ragged" else "fixed"),
+        "useful_tokens": useful,
+        "first_pass_s": first,
+        "pass_times_s": times,
+        "useful_tokens_per_s": {name: useful / statistics.median(t) for name, t in times.items()},
+        "speedup_vs_single_program": statistics.median(a / b for a, b in zip(times["single_program"],
+                                                                              times["refill"])),
+        "speedup_vs_compaction": statistics.median(a / b for a, b in zip(times["compaction"], times["refill"])),
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "cpu_count": os.cpu_count(),
+        "jax_version": jax.__version__,
+    }
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -623,6 +726,25 @@ def markdown_table(results: list[dict]) -> str:
                      f"| {r['tokens_per_s']:.1f} | {r['call_s']:.3f} s | {step} | {r['ttft_s']:.3f} s "
                      f"| {r['compile_s']:.2f} s "
                      f"| {_gib(r['peak_memory_bytes'])} ({r['peak_memory_source']}) |")
+    return "\n".join(lines)
+
+
+def refill_table(r: dict) -> str:
+    """Markdown table of `compare_refill`'s result, with the workload in a line below."""
+    lines = ["| mode | time per pass (median) | useful tokens/s | refill's speedup |", "|---|---|---|---|"]
+    labels = {"single_program": f"single program, calls of {r['live_rows']} rows",
+              "compaction": f"compaction, calls of {r['live_rows']} rows",
+              "refill": f"refill, one call, {r['live_rows']} rows at once"}
+    speedups = {"single_program": f"x{r['speedup_vs_single_program']:.2f}",
+                "compaction": f"x{r['speedup_vs_compaction']:.2f}", "refill": "-"}
+    for name, label in labels.items():
+        lines.append(f"| {label} | {statistics.median(r['pass_times_s'][name]):.2f} s "
+                     f"| {r['useful_tokens_per_s'][name]:.1f} | {speedups[name]} |")
+    lines.append("")
+    lines.append(f"{r['sequences']} rows ({r['prompts']} prompts x {r['group']}), prompt {r['prompt_len']}, "
+                 f"{r['lengths']} lengths to {r['new_tokens']} ({r['length_distribution']}), model {r['model']} "
+                 f"({r['parameters'] / 1e6:.1f}M, {r['dtype']}), {len(r['pass_times_s']['refill'])} rounds; "
+                 f"device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
     return "\n".join(lines)
 
 
@@ -648,6 +770,10 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
                        help="baseline: repeat every prompt G times, group_size=1")
     modes.add_argument("--compare", action="store_true",
                        help="run with and without prefix sharing (each in a fresh process), report the speedup")
+    modes.add_argument("--compare-refill", action="store_true",
+                       help="sample prompts x group rows with at most --live-rows decoding at once: the single "
+                            "program and compaction in calls of --live-rows rows against one refilled call "
+                            "(SamplingConfig.live_rows); --repeats rounds back to back (compare_refill)")
     modes.add_argument("--compare-compaction", action="store_true",
                        help="run with SamplingConfig.compaction off, then on, then 3 rounds of one call of each "
                             "back to back; report the speedup in useful tokens/s (median over the rounds)")
@@ -658,6 +784,9 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compaction", choices=("on", "off"), default=None,
                         help="SamplingConfig.compaction: drop finished rows between decode segments "
                              "(default: the sampler's default)")
+    parser.add_argument("--live-rows", type=int, default=None,
+                        help="SamplingConfig.live_rows: decode at most this many rows at once, refilling finished "
+                             "rows' slots with waiting rows (default: the whole batch at once)")
     parser.add_argument("--compaction-segments", type=int, default=None,
                         help="SamplingConfig.compaction_segments (default: the sampler's default)")
     parser.add_argument("--decode-segments", type=int, default=None,
@@ -686,6 +815,25 @@ def run_sample(args: argparse.Namespace) -> int:
                   bandwidth=args.bandwidth, lengths=args.lengths,
                   compaction=None if args.compaction is None else args.compaction == "on",
                   compaction_segments=args.compaction_segments)
+    if args.compare_refill:
+        if args.live_rows is None:
+            print("jaxrl: bench error: --compare-refill needs --live-rows", file=sys.stderr)
+            return 2
+        try:
+            result = compare_refill(args.live_rows, rounds=args.repeats, model=args.model, prompts=args.prompts,
+                                    prompt_len=args.prompt_len, group=args.group, new_tokens=args.new_tokens,
+                                    temperature=args.temperature, seed=args.seed, lengths=args.lengths,
+                                    compaction_segments=args.compaction_segments, dtype=args.dtype,
+                                    kv_cache_dtype=args.kv_cache)
+        except (ValueError, RuntimeError) as e:
+            print(f"jaxrl: bench error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(result), flush=True)
+        print()
+        print(refill_table(result))
+        return 0
+    if args.live_rows is not None:
+        kwargs["live_rows"] = args.live_rows
     try:
         if args.compare_compaction:
             result = compare_compaction(**kwargs)

@@ -1,5 +1,6 @@
 """The compacted decode (`SamplingConfig.compaction`): finished rows are dropped between decode segments, and
-the rollout is the single-program sampler's (same seed, same tokens, log-probs to float rounding)."""
+with `live_rows` their slots are refilled with waiting rows; the rollout is the single-program sampler's (same
+seed, same tokens, log-probs to float rounding)."""
 
 import dataclasses
 import os
@@ -34,10 +35,10 @@ def compactions(monkeypatch):
     """The `(rows before, rows after)` of every compaction the sampler runs."""
     seen, real = [], sampling._segment_program
 
-    def spy(policy, state, outputs, slot_source, row_source, *args, **kwargs):
-        if row_source is not None:
-            seen.append((state.done.shape[0], len(row_source)))
-        return real(policy, state, outputs, slot_source, row_source, *args, **kwargs)
+    def spy(policy, state, outputs, initial, plan, *args, **kwargs):
+        if plan is not None and state is not None:
+            seen.append((state.done.shape[0], len(plan[1])))
+        return real(policy, state, outputs, initial, plan, *args, **kwargs)
 
     monkeypatch.setattr(sampling, "_segment_program", spy)
     return seen
@@ -193,6 +194,91 @@ def test_compiles_stay_bounded_over_200_calls_of_random_lengths(compactions):
     assert counts[-1] - counts[99] <= counts[99] // 4, counts  # the second 100 calls compile little that is new
 
 
+@pytest.fixture
+def refills(monkeypatch):
+    """`(rows decoding, rows that start now)` of every batch the refilled decode forms."""
+    seen, real = [], sampling._segment_program
+
+    def spy(policy, state, outputs, initial, plan, *args, **kwargs):
+        if plan is not None:
+            seen.append((int(np.sum((plan[1] >= 0) | (plan[2] >= 0))), int(np.sum(plan[2] >= 0))))
+        return real(policy, state, outputs, initial, plan, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "_segment_program", spy)
+    return seen
+
+
+@pytest.mark.parametrize("settings, group_size, live_rows, extra", [
+    (dict(), 4, 8, {}),
+    (dict(temperature=0.0), 2, 4, {}),  # greedy: every row runs to max_new_tokens (finish "length")
+    # 5 live rows: groups split over slots; some rows reach max_new_tokens
+    (dict(policy_logp=True, top_k=8, top_p=0.9, temperature=0.8, batch_buckets=(2, 5)), 4, 5,
+     dict(temperature=jnp.float32(1.3))),
+    (dict(kv_cache_dtype="int8", compaction_segments=6), 3, 6, dict(stop_sequences=((7, 8), (9,)))),
+])
+def test_refilled_slots_give_the_tokens_and_log_probs_of_one_program(refills, settings, group_size, live_rows,
+                                                                      extra):
+    """`live_rows`: a batch decoded a few rows at a time, each finished row's slot taken by a waiting row at the
+    next segment, is the rollout of the whole batch decoded at once (the same draws per row and step)."""
+    policy = models.init(CONFIG, 1)
+    tokens, valid = _prompts(6)
+    config = SamplingConfig(max_new_tokens=64, decode_segments=4, live_rows=live_rows, **settings)
+    temperature = extra.pop("temperature", None)
+    key = jax.random.key(2)
+    on = sample(policy, tokens, valid, key, config, STOPS, PAD, temperature, group_size=group_size, **extra)
+    off = sample(policy, tokens, valid, key, dataclasses.replace(config, compaction=False, live_rows=None), STOPS,
+                 PAD, temperature, group_size=group_size, **extra)
+    _assert_same(on, off)
+    batch = 6 * group_size
+    assert all(decoding <= live_rows for decoding, _ in refills), refills
+    assert sum(fresh for _, fresh in refills) == batch  # every row started exactly once
+    lengths = np.asarray(off.completion_mask.sum(1))
+    if config.temperature == 0:  # every row runs to the end: the batches follow one another
+        assert (lengths == 64).all() and len(refills) > 1
+    else:
+        assert any(fresh and fresh < decoding for decoding, fresh in refills), "no slot was refilled mid-decode"
+        assert len(set(lengths.tolist())) >= 2
+
+
+def test_refilled_compiles_stay_bounded_over_60_calls_of_random_lengths():
+    config_model = dataclasses.replace(CONFIG, num_layers=1)
+    policy = models.init(config_model, 0)
+    tokens, valid = _prompts(8)
+    config = SamplingConfig(max_new_tokens=64, live_rows=8)
+    rng = np.random.default_rng(1)
+    before = compiled_programs()
+    counts = []
+    for call in range(60):
+        lengths = np.minimum(rng.geometric(rng.choice([0.01, 0.05, 0.2]), 32), 64).astype(np.int32)
+        rollout = sample(policy, tokens, valid, jax.random.key(call), config, STOPS, PAD, group_size=4,
+                         forced_lengths=lengths)
+        if call % 20 == 0:
+            np.testing.assert_array_equal(rollout.completion_mask.sum(1), lengths)
+        counts.append(compiled_programs() - before)
+    # a prefill, a finishing program per batch shape and a segment program per pair of shapes (8 as 2 x 4 or
+    # 8 x 1, 4 as 1 x 4 or 4 x 1, 2 x 1, 1 x 1): 27 after 60 calls, 28 after 200 (2026-11-27). A bound that does
+    # not grow with the number of calls:
+    assert counts[-1] <= 32, counts[-1]
+    assert counts[-1] - counts[29] <= counts[29] // 4, counts
+
+
+def test_live_rows_is_checked():
+    policy = models.init(CONFIG, 0)
+    tokens, valid = _prompts()
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="live_rows must be a positive int or None"):
+            SamplingConfig(live_rows=bad)
+    with pytest.raises(ValueError, match=r"batch_buckets \(2, 4\) do not cover the batch of 6 sequences "
+                                         r"\(prompts x group_size, or live_rows if fewer\)"):
+        sample(policy, tokens, valid, jax.random.key(0), SamplingConfig(32, live_rows=6, batch_buckets=(2, 4)),
+               STOPS, PAD, group_size=4)
+    # live_rows at least the batch: the whole batch at once, as without it
+    config = SamplingConfig(32, decode_segments=2)
+    whole = sample(policy, tokens, valid, jax.random.key(0), config, STOPS, PAD, group_size=2)
+    _assert_same(sample(policy, tokens, valid, jax.random.key(0), dataclasses.replace(config, live_rows=64), STOPS,
+                        PAD, group_size=2), whole)
+
+
 SHARDED = """
     import dataclasses, jax, jax.numpy as jnp, numpy as np
     from jaxrl import models, sampling
@@ -211,10 +297,10 @@ SHARDED = """
     sizes = []
     real = sampling._segment_program
 
-    def spy(policy, state, outputs, slot_source, row_source, *args, **kwargs):
-        if row_source is not None:
-            sizes.append(len(row_source))
-        return real(policy, state, outputs, slot_source, row_source, *args, **kwargs)
+    def spy(policy, state, outputs, initial, plan, *args, **kwargs):
+        if plan is not None:
+            sizes.append(len(plan[1]))
+        return real(policy, state, outputs, initial, plan, *args, **kwargs)
 
     sampling._segment_program = spy
     for shape in [(8, 1, 1), (2, 2, 2)]:
@@ -225,6 +311,10 @@ SHARDED = """
         assert (np.asarray(on.tokens) == np.asarray(off.tokens)).all(), shape
         assert np.allclose(np.asarray(on.sampler_logp), np.asarray(off.sampler_logp), atol=1e-5), shape
         print(shape, "same tokens", sizes)
+        refilled = sample(sharded, t, v, jax.random.key(1), dataclasses.replace(settings, live_rows=8), (3, 5), 0,
+                          group_size=2)
+        assert (np.asarray(refilled.tokens) == np.asarray(off.tokens)).all(), shape
+        print(shape, "refilled: same tokens")
     assert sizes and all(size % 4 == 0 for size in sizes), sizes
     print("OK")
 """
@@ -241,7 +331,7 @@ def test_compaction_on_a_sharded_policy_gives_the_single_device_tokens():
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(SHARDED)], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.count("same tokens") == 2
+    assert result.stdout.count("same tokens") == 4
 
 
 @pytest.mark.slow
