@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -62,23 +63,25 @@ def token_self_certainty(hidden: jax.Array, unembedding: jax.Array, temperature:
     Returns `[batch, seq]` float32.
     """
     batch, seq, dim = hidden.shape
-    vocab = unembedding.shape[0]
     positions = max(1, min(seq, chunk_size // batch))
     chunks = -(-seq // positions)
     padded = jnp.pad(hidden, ((0, 0), (0, chunks * positions - seq), (0, 0)))
     by_chunk = jnp.swapaxes(padded.reshape(batch, chunks, positions, dim), 0, 1)  # [chunks, batch, positions, dim]
-    temperature = jnp.asarray(temperature, jnp.float32)
-
-    def certainty(hidden_chunk):  # [batch, positions, dim] -> [batch, positions]
-        logits = jax.lax.dot_general(hidden_chunk, unembedding, (((2,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-        if softcap is not None:
-            logits = jnp.tanh(logits / softcap) * softcap
-        scaled = logits / temperature
-        return jax.nn.logsumexp(scaled, axis=-1) - jnp.mean(scaled, axis=-1) - jnp.log(jnp.float32(vocab))
-
+    certainty = functools.partial(_chunk_certainty, unembedding, jnp.asarray(temperature, jnp.float32), softcap)
     out = jax.lax.map(certainty, by_chunk)  # [chunks, batch, positions]
     return jax.lax.stop_gradient(jnp.swapaxes(out, 0, 1).reshape(batch, chunks * positions)[:, :seq])
+
+
+def _chunk_certainty(unembedding: jax.Array, temperature: jax.Array, softcap: float | None,
+                     hidden_chunk: jax.Array) -> jax.Array:
+    """`[batch, positions]` self-certainty of a chunk of hidden states `[batch, positions, dim]`."""
+    logits = jax.lax.dot_general(hidden_chunk, unembedding, (((2,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    scaled = logits / temperature
+    vocab = jnp.float32(unembedding.shape[0])
+    return jax.nn.logsumexp(scaled, axis=-1) - jnp.mean(scaled, axis=-1) - jnp.log(vocab)
 
 
 def completion_logprobs_with_certainty(policy: models.Policy, tokens: jax.Array, prompt_valid: jax.Array,
