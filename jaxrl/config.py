@@ -212,14 +212,19 @@ class RewardConfig:
     overlong_weight: float = _field(1.0, ge=0)
     length_target: int | None = _field(None, gt=0)  # length penalty beyond this many tokens (None: off)
     length_penalty_coef: float = _field(0.0, ge=0)
+    # Issue 35, self-rewarding signals (jaxrl.rewards.self_rewarding: ttrl, rent, self_certainty under `extra`):
+    # the weight of the verifiable reward `correct` in the total. 0 trains on the other components alone (e.g.
+    # TTRL without the reference answers); `correct` is still scored and logged as reward/correct.
+    function_weight: float = _field(1.0, ge=0)
 
     def __post_init__(self):  # a RewardConfig built in Python with a dict: read-only and hashable, as loaded
         if not isinstance(self.extra, FrozenMapping):
             object.__setattr__(self, "extra", FrozenMapping(self.extra))
 
     def component_weights(self) -> dict[str, float]:
-        """Name -> weight of every active reward component: `correct` (1), the shaping components, the extras."""
-        weights = {"correct": 1.0}
+        """Name -> weight of every active reward component: `correct` (`function_weight`, 1 by default), the
+        shaping components, the extras."""
+        weights = {"correct": self.function_weight}
         if self.format_weight:
             weights["format"] = self.format_weight
         if self.overlong_buffer is not None:
@@ -478,6 +483,52 @@ class Config:
                 f"(right or wrong): it cannot take shaped rewards (reward.format_weight, overlong_buffer, "
                 f"length_target) or a reward that is not registered as binary, such as the code reward's pass "
                 f"fraction (reward.function {self.reward.function!r})")
+        self.check_self_rewards(pieces)
+
+    def check_self_rewards(self, pieces: Mapping[str, registry.Entry]) -> None:
+        """Issue 35, self-rewarding signals: where a self-reward (`jaxrl.rewards.self_rewarding`, registered with
+        `self_reward=`) may be named, its weight, and the run settings it cannot work with; a
+        `registry.RegistryError` naming the field otherwise."""
+        for field in ("reward.function", "eval.reward"):
+            entry = pieces.get(field)
+            if entry is not None and entry.info.get("self_reward"):
+                raise registry.RegistryError(
+                    f"{field}: {entry.name!r} is a self-reward, computed by the RL loop from the policy's own samples "
+                    f"or distribution, not a verifiable reward: name it under reward.extra (e.g. "
+                    f"reward.extra.{entry.name}=1.0, with reward.function_weight=0 to train on it alone)", field=field)
+        weights = self.component_weights()
+        if not any(w != 0 for w in weights.values()):
+            raise registry.RegistryError(
+                "reward.function_weight: every reward component has weight 0 (reward.function_weight = 0 and no "
+                "other weighted component): the total reward is constant, there is nothing to train on",
+                field="reward.function_weight")
+        selfish = {name: pieces[f"reward.extra.{name}"] for name in self.reward.extra
+                   if pieces[f"reward.extra.{name}"].info.get("self_reward")}
+        for name, entry in selfish.items():
+            weight = self.reward.extra[name]
+            if not (math.isfinite(weight) and weight >= 0):
+                raise registry.RegistryError(
+                    f"reward.extra.{name}: the weight of the self-reward {name!r} must be a finite number >= 0 (a "
+                    f"negative one trains away from the policy's own consensus or confidence), got {weight}",
+                    field=f"reward.extra.{name}")
+            kind = entry.info["self_reward"]
+            if kind == "group" and self.rl.group_size < 2:
+                raise registry.RegistryError(
+                    f"rl.group_size: the self-reward {name!r} votes over each prompt's group of samples; a group "
+                    f"of {self.rl.group_size} has no vote", field="rl.group_size")
+            if "greedy_rollouts" in pieces["rl.loss.advantage.estimator"].needs:
+                raise registry.RegistryError(
+                    f"rl.loss.advantage.estimator: {self.rl.loss.advantage.estimator!r} scores one greedy completion "
+                    f"per prompt as its baseline; the self-reward {name!r} has no group (or per-token statistics) "
+                    "for it", field="rl.loss.advantage.estimator")
+            if kind == "token" and self.rl.dynamic_sampling.enabled:
+                raise registry.RegistryError(
+                    f"rl.dynamic_sampling.enabled: the self-reward {name!r} needs the rollout's per-token statistics, "
+                    "which dynamic sampling's rounds select groups before computing", field="rl.dynamic_sampling.enabled")
+            if kind == "token" and self.rl.packing.enabled:
+                raise registry.RegistryError(
+                    f"rl.packing.enabled: the self-reward {name!r} reads per-token statistics that only the padded "
+                    "log-prob pass computes; turn packing off", field="rl.packing.enabled")
 
     def validate(self) -> None:
         if not self.output_dir.strip():

@@ -24,9 +24,17 @@ __all__ = ["describe_config", "registry_choices", "dry_run", "report", "Check"]
 
 
 def registry_choices(config) -> dict[str, str]:
-    """Dotted field -> `one of <registered names>, or module:function`, for every field that names a piece."""
-    return {field: f"one of {', '.join(registry.names(entry.kind))}, or module:function"
+    """Dotted field -> `one of <registered names>, or module:function`, for every field that names a piece (the
+    self-rewards, `reward.extra` only, are not offered for the verifiable reward fields)."""
+    return {field: f"one of {', '.join(_choices(field, entry.kind))}, or module:function"
             for field, entry in config.pieces().items()}
+
+
+def _choices(field: str, kind: str) -> list[str]:
+    names = registry.names(kind)
+    if field in ("reward.function", "eval.reward"):
+        names = [n for n in names if not registry.resolve(kind, n, field).info.get("self_reward")]
+    return names
 
 
 def describe_config(config) -> str:

@@ -8,7 +8,8 @@
 
 Beside them: `setup` (data, policy, tokenizer, programs), `generate` (the sampler front end), `rollout`
 (sampling and scoring a step's batch), `warm_start`, `held_out` (evaluation, `jaxrl eval`), `resume`
-(checkpoints to go on from) and `outputs` (the output directory), `progress` (bars or log lines).
+(checkpoints to go on from) and `outputs` (the output directory), `progress` (bars or log lines),
+`self_rewards` (TTRL, RENT and self-certainty rewards from the rollout's groups and its log-prob pass).
 """
 
 from jaxrl.errors import Preempted, TrainingDiverged

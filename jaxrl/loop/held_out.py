@@ -143,8 +143,7 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
 
 
 def _answer_key(text: str) -> str | None:
-    answer = rewards.extract_answer(text)
-    return None if answer is None else rewards.normalize_answer(answer)
+    return rewards.answer_key(text)  # the extracted, normalised answer: TTRL's vote too (rewards.self_rewarding)
 
 
 def final_evaluation(policy, generate: Generator, problems, evaluator: Evaluator, config: Config,

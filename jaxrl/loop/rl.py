@@ -27,10 +27,11 @@ from jaxrl.config import Config
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
 from jaxrl.losses import Controls
-from jaxrl.loop import held_out, progress, resume, setup
+from jaxrl.loop import held_out, progress, resume, self_rewards, setup
 from jaxrl.loop.episodes import episode_metrics, turn_credit_arrays
 from jaxrl.loop.generate import Generator
-from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, sample_rollout, score, shaped_rewards
+from jaxrl.loop.rollout import (RolloutResult, Sampler, rollout_batch, sample_rollout, score_rollout,
+                                shaped_rewards)
 from jaxrl.metrics import MetricsWriter
 from jaxrl.packing import host_rows
 from jaxrl.rewards.scoring import RewardScorer
@@ -187,9 +188,11 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     # on the host, while the device computes the log-probs (or already done in the background)
     scored = produced.scored
     if scored is None:
-        scored = score(ctx.sampler.scorer, produced.problems, texts, rl.group_size)
+        scored = score_rollout(ctx.sampler, produced.problems, texts)
     t3 = time.perf_counter()
     reward_s = produced.reward_s + (t3 - t2 if produced.scored is None else 0.0)  # (+ ReMax's baseline)
+    # RENT / self-certainty (issue 35): from the batch's per-token statistics (waits for the log-prob pass)
+    scored = self_rewards.with_token_rewards(scored, batch, texts, config, mesh)
     seen, scored, composed = gathered_rewards(produced, scored, config, programs.component_weights, mesh)
     greedy_rewards = seen.get("greedy")
     if greedy_rewards is not None:
@@ -218,6 +221,7 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     t5 = time.perf_counter()
     s = after_update(s, metrics, scored, config, step)
     record.update(step_record(s.controls, scored, composed, metrics, prep_metrics, seen, produced, rl.group_size))
+    record.update(self_rewards.step_metrics(seen["components"], seen["correct"], config))  # TTRL's label accuracy
     record.update(step_timing(produced.sample_s, reward_s, logprobs_s=logprobs_s, update_s=t5 - t4, idle_s=idle_s))
     record["sampler/compiled_programs"] = compiled
     record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
@@ -231,7 +235,7 @@ def batch_for_update(ctx: RLContext, s: LoopState, produced: RolloutResult) -> d
     programs, batch = ctx.programs, produced.batch
     if batch is None:
         return rollout_batch(s.train, programs.logprobs, programs.values, produced.generation.rollout,
-                             ctx.config.rl.loss, s.controls, s.ref_policy, programs.pack)
+                             ctx.config.rl.loss, s.controls, s.ref_policy, programs.pack, programs.token_stats)
     if "ref_logp" in batch and (s.drawn_with[0] is not s.ref_policy
                                 or s.drawn_with[1] != float(s.controls.temperature)):
         # drawn before a reference reset or a temperature change: recomputed for the KL terms

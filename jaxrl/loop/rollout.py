@@ -16,6 +16,7 @@ import numpy as np
 from jaxrl import dynamic_sampling, losses, rewards
 from jaxrl.config import Config
 from jaxrl.losses import Controls
+from jaxrl.loop import self_rewards
 from jaxrl.loop.generate import Generation, Generator
 from jaxrl.loop.setup import StepPrograms
 from jaxrl.sampling import FINISH_LENGTH, Rollout
@@ -73,6 +74,13 @@ def score(scorer: RewardScorer | RewardPool, problems, texts, group_size: int) -
                         rows=repeat_each(map(row_of, problems), group_size))
 
 
+def score_rollout(sampler: Sampler, problems, texts) -> ScoredBatch:
+    """`score` of a training rollout with every configured reward, the group self-rewards (TTRL, computed here
+    from the texts of each prompt's group) included."""
+    scored = score(sampler.scorer, problems, texts, sampler.config.rl.group_size)
+    return self_rewards.with_group_rewards(scored, texts, sampler.config)
+
+
 def shaped_rewards(scored: ScoredBatch, generation: Generation, config: Config) -> rewards.ComposedRewards:
     """The scored rewards of `generation` (the verifiable `correct` and `reward.extra`'s) composed with the
     shaping components `config.reward` enables (format reward of its texts, DAPO overlong and length penalties
@@ -86,13 +94,16 @@ def shaped_rewards(scored: ScoredBatch, generation: Generation, config: Config) 
 
 
 def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, loss_config: losses.LossConfig,
-                  controls: Controls, ref_policy=None, pack=None) -> dict:
+                  controls: Controls, ref_policy=None, pack=None, token_stats: tuple[str, ...] = ()) -> dict:
     """A rollout (global arrays on the mesh) with what the objective needs from the sampling-time models
     `[B, N]`: `old_logp` always, `entropy`, `ref_logp` (frozen warm-start policy) and `old_values` (critic)
     when used.
 
     With `pack` (`StepPrograms.pack`, packed training) the passes run on the packed rows of the completions
     (up to each one's last generated token), `logprob_fn` and `value_fn` taking the plan, kept as `pack_plan`.
+
+    `token_stats` names the per-token statistics the token self-rewards read (`StepPrograms.token_stats`), kept
+    as `token_stats` `{name: [B, N]}` from the same log-prob pass.
 
     The device computations are only dispatched here: the device runs them while the host scores the
     rewards of the same rollout.
@@ -104,9 +115,12 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
     extra = {}
     if pack is not None:
         batch["pack_plan"] = extra["plan"] = pack(prompt_valid, batch["completion_mask"], tokens)
-    batch["old_logp"], entropy = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature, **extra)
+    outputs = logprob_fn(state.policy, tokens, prompt_valid, controls.temperature, **extra)
+    batch["old_logp"], entropy = outputs[0], outputs[1]
     if loss_config.needs_entropy:
         batch["entropy"] = entropy
+    if token_stats:
+        batch["token_stats"] = self_rewards.token_stats_of(token_stats, outputs)
     if loss_config.needs_ref_logp:
         batch["ref_logp"] = logprob_fn(ref_policy, tokens, prompt_valid, controls.temperature, **extra)[0]
     if state.critic is not None:
@@ -133,9 +147,9 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
         batch = None
         if background and not dynamic:  # dispatched first: the device computes it while the host scores
             batch = rollout_batch(state, programs.logprobs, programs.values, generation.rollout, rl.loss,
-                                  controls, ref_policy, programs.pack)
+                                  controls, ref_policy, programs.pack, programs.token_stats)
         t2 = time.perf_counter()
-        scored = score(sampler.scorer, problems, generation.texts, rl.group_size) if background or dynamic else None
+        scored = score_rollout(sampler, problems, generation.texts) if background or dynamic else None
         sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
         rounds.append((problems, generation, scored))
         if not dynamic:
@@ -152,7 +166,7 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
     if not background:
         return result
     return with_batch(result, rollout_batch(state, programs.logprobs, programs.values, result.generation.rollout,
-                                            rl.loss, controls, ref_policy, programs.pack))
+                                            rl.loss, controls, ref_policy, programs.pack, programs.token_stats))
 
 
 def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> RolloutResult:

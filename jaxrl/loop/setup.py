@@ -21,7 +21,7 @@ from jaxrl.data.prompts import DataError, load_prompts
 from jaxrl.envs.render import check_tool_role
 from jaxrl.errors import RunConfigError
 from jaxrl.losses import Controls
-from jaxrl.loop import progress
+from jaxrl.loop import progress, self_rewards
 from jaxrl.loop.generate import Generator
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import describe_source, load_policy
@@ -240,6 +240,9 @@ class StepPrograms:
     # rl.packing.enabled: (prompt_valid, mask, like) -> PackPlan (`jaxrl.packing.Packer`); logprobs and values
     # then take the plan (`plan=`) and the update a batch with one (`"plan"`). None: padded rows.
     pack: Packer | None = None
+    # The per-token statistics the token self-rewards read (`self_rewards.token_statistics`: entropy,
+    # self_certainty), kept by `rollout_batch` as the batch's `token_stats`; () when none (issue 35).
+    token_stats: tuple[str, ...] = ()
 
 
 def step_programs(config: Config) -> StepPrograms:
@@ -257,12 +260,15 @@ def step_programs(config: Config) -> StepPrograms:
     # the rollout's log-probs and values in rl.micro_batches groups of rows: the train step's activation bound
     # (packed: in micro-batches of the plan's token budget)
     pack = Packer(rl.packing, rl.micro_batches) if rl.packing.enabled else None
-    if pack is None:
-        logprobs = jax.jit(by_micro_batches(completion_logprobs, rl.micro_batches))
+    token_stats = self_rewards.token_statistics(config)
+    if pack is None:  # with the self-certainty reward: a third output from the same forward pass
+        logprob_fn = (self_rewards.completion_logprobs_with_certainty if "self_certainty" in token_stats
+                      else completion_logprobs)
+        logprobs = jax.jit(by_micro_batches(logprob_fn, rl.micro_batches))
         values = jax.jit(by_micro_batches(critic_values, rl.micro_batches))
     else:
         logprobs, values = jax.jit(packed_completion_logprobs), jax.jit(packed_critic_values)
     component_weights = config.component_weights()
     prepare = jax.jit(functools.partial(losses.prepare_batch, loss_config, group_size=rl.group_size,
                                         component_weights=tuple(component_weights.values())))
-    return StepPrograms(update, warmup, logprobs, values, prepare, component_weights, pack)
+    return StepPrograms(update, warmup, logprobs, values, prepare, component_weights, pack, token_stats)

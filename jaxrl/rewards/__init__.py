@@ -15,6 +15,7 @@ from jaxrl.rewards.math import (
 )
 from jaxrl.rewards.pool import RewardPool, RewardResult, item_deadline
 from jaxrl.rewards.scoring import RewardScorer, ScoredBatch
+from jaxrl.rewards.self_rewarding import answer_key, majority_answer, rent, self_certainty, ttrl
 from jaxrl.rewards.sandbox import CodeResult, SandboxLimits, code_reward, extract_code, run_program, run_tests
 from jaxrl.rewards.shaping import (
     ComposedRewards,
@@ -33,6 +34,7 @@ __all__ = [
     "RewardScorer",
     "SandboxLimits",
     "ScoredBatch",
+    "answer_key",
     "arithmetic_reward",
     "code_reward",
     "compose",
@@ -43,9 +45,13 @@ __all__ = [
     "is_equivalent",
     "item_deadline",
     "length_penalty",
+    "majority_answer",
     "math_verify",
     "normalize_answer",
+    "rent",
     "run_program",
     "run_tests",
+    "self_certainty",
     "truncation_mask",
+    "ttrl",
 ]

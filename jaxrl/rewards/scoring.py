@@ -46,10 +46,12 @@ def pool_for(reward_fn: Callable, config: RewardConfig) -> RewardPool:
 
 def reward_functions(config: Config, reward_fn: Callable | None = None) -> dict[str, Callable]:
     """Component name -> reward function of every reward `config` names: `correct` (`reward_fn`, or
-    `reward.function`), then each `reward.extra` name in the config's order."""
+    `reward.function`), then each `reward.extra` name in the config's order, but for the self-rewards
+    (`jaxrl.rewards.self_rewarding`), which the RL loop computes itself (`jaxrl.loop.self_rewards`)."""
     pieces = config.pieces()
     functions = {CORRECT: reward_fn or pieces["reward.function"].fn}
-    functions.update({name: pieces[f"reward.extra.{name}"].fn for name in config.reward.extra})
+    functions.update({name: pieces[f"reward.extra.{name}"].fn for name in config.reward.extra
+                      if not pieces[f"reward.extra.{name}"].info.get("self_reward")})
     return functions
 
 
