@@ -24,7 +24,7 @@ from jaxrl.losses import (PRESETS, Controls, LossConfig, LossInputs, aspo, bapo_
                           policy_term)
 from jaxrl.losses.compose import adaptive_clip_fields
 from jaxrl.losses.updates import DCPO_MAX_RATIO
-from jaxrl.train import completion_logprobs, init_train_state, make_rl_gradients
+from jaxrl.train import _adaptive_clip_fields, completion_logprobs, init_train_state, make_rl_gradients
 
 LENGTHS = (6, 3, 0, 1, 5, 4)
 B, N = len(LENGTHS), 6
@@ -470,6 +470,10 @@ def test_bapo_bounds_are_the_whole_mini_batchs_whatever_the_micro_batching():
         assert float(metrics["clip_bound_low"]) == pytest.approx(ref[0], rel=1e-5)
         assert float(metrics["clip_bound_high"]) == pytest.approx(ref[1], rel=1e-5)
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
+    # the pre-pass hands the bounds function the current log-probs of the whole batch, row for row
+    seen = _adaptive_clip_fields(lambda lp, o, a, m: {"logp": lp, "counted": m}, state, data, CONTROLS, 4)
+    np.testing.assert_allclose(np.asarray(seen["logp"]), np.asarray(logp), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(seen["counted"]), np.asarray(mask))
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
     # and the loss is PPO's clipped surrogate with those bounds (dual clip 3)
