@@ -19,9 +19,8 @@ import pytest
 
 from jaxrl import models, registry
 from jaxrl.configlib import ConfigError
-from jaxrl.losses import (PRESETS, Controls, LossConfig, LossInputs, aspo, bapo_clip_bounds, build_loss, cpgd, dcpo,
-                          drift_term, gpg, gpg_alpha, kl_abs, kl_estimate, kl_term, normalizers, policy_drift,
-                          policy_term)
+from jaxrl.losses import (PRESETS, Controls, LossConfig, LossInputs, bapo_clip_bounds, build_loss, dcpo, drift_term,
+                          gpg_alpha, kl_abs, kl_estimate, kl_term, normalizers, policy_drift, policy_term)
 from jaxrl.losses.compose import adaptive_clip_fields
 from jaxrl.losses.updates import DCPO_MAX_RATIO
 from jaxrl.train import _adaptive_clip_fields, completion_logprobs, init_train_state, make_rl_gradients

@@ -99,7 +99,8 @@ class LossConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     # Importance ratio and objective.
     # Registered names (jaxrl.registry kinds `ratio`, `objective`; with those of modules under `imports:`) or
-    # `module:function`. Ratios: token, sequence, sequence_token; objectives: ppo_clip, reinforce, cispo, gmpo.
+    # `module:function`. Ratios: token, sequence, sequence_token; objectives: ppo_clip, reinforce, cispo, gmpo, and
+    # (jaxrl.losses.updates) gpg, bapo, dcpo, aspo, cpgd.
     ratio: str = "token"
     objective: str = "ppo_clip"
     clip_eps_low: float = _field(0.2, ge=0)  # gmpo: log-space bounds

@@ -9,8 +9,8 @@ The config that selects each (`rl.loss.*`; presets in `jaxrl.losses.config`):
 |---|---|---|
 | GPG | `preset: gpg` (objective `gpg`, `gpg_correction`) | `-A log pi`, no ratio, no clip |
 | BAPO | `preset: bapo` (objective `bapo`, `bapo_*`) | PPO clip with bounds `[c_low, c_high]` chosen per mini-batch |
-| DCPO | `preset: dcpo` (objective `dcpo`) | PPO clip with bounds that depend on each token's old probability |
-| ASPO | `preset: aspo` (objective `aspo`, `dual_clip_c`) | positive tokens weighted by the flipped ratio `1/r`, soft dual clip |
+| DCPO | `preset: dcpo` (objective `dcpo`) | PPO clip, bounds from each token's old probability |
+| ASPO | `preset: aspo` (objective `aspo`, `dual_clip_c`) | flipped ratio `1/r` for A > 0, soft dual clip |
 | CPGD | `preset: cpgd` (objective `cpgd`, `drift_coef`) | clipped log-ratio policy gradient + `drift_coef x KL(pi_old || pi)` |
 
 Where a paper leaves a choice open, the function's docstring says which choice is made here.
@@ -97,7 +97,8 @@ def bapo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.2,
     over the whole mini-batch (`policy_term` passes them as `[B, N]` arrays: `LossInputs.clip_low/high`).
 
     Xi et al. 2025, "BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via Balanced Policy
-    Optimization with Adaptive Clipping", arXiv 2510.18927. Metrics as `ppo_clip`'s.
+    Optimization with Adaptive Clipping", arXiv 2510.18927. `clip_eps_low/high` are not used (the `bapo_*`
+    fields set the bounds' ranges); the dual clip applies as in `ppo_clip`. Metrics as `ppo_clip`'s.
     """
     del logp, mask
     return clipped_surrogate(log_ratio, advantages, 1.0 - eps_low, 1.0 + eps_high, dual_clip_c)
