@@ -515,3 +515,20 @@ def test_kl_abs_estimator_value_gradient_and_config():
     assert built - policy == pytest.approx(fn(f64(d["logp"])), rel=1e-4)
     LossConfig(kl_estimator="abs", kl_coef=0.1, kl_in_reward=True).validate()
     LossConfig.from_preset("grpo", kl_estimator="abs")
+
+
+def test_on_policy_the_clipped_variants_take_the_plain_policy_gradient():
+    """At r = 1 (the first update of a batch, and the only one with rl.epochs = rl.minibatches = 1) BAPO, DCPO, ASPO
+    and CPGD (with its drift) all give `-A grad log pi`, as PPO does: they differ only off-policy. GPG's gradient is
+    the same function of its own advantages."""
+    d = batch(20)
+    d = {**d, "logp": d["old"]}
+    m, a = d["mask"], f64(d["adv"])
+    expected = -a * m / m.sum()
+    ones = jnp.ones((B, N))
+    for name in ("dapo", "bapo", "dcpo", "aspo", "cpgd", "gpg"):
+        extra = dict(clip_low=0.6 * ones, clip_high=1.2 * ones) if name == "bapo" else {}
+        _, metrics, grad = term_value_and_grad(build_loss(LossConfig.from_preset(name)), d, **extra)
+        np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8, err_msg=name)
+        if name == "cpgd":
+            assert float(metrics["policy_drift"]) == 0.0
