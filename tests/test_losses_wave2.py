@@ -532,3 +532,27 @@ def test_on_policy_the_clipped_variants_take_the_plain_policy_gradient():
         np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8, err_msg=name)
         if name == "cpgd":
             assert float(metrics["policy_drift"]) == 0.0
+
+
+def test_batch_level_pieces_give_with_holes_what_they_give_on_the_compacted_rows():
+    """A multi-turn row's observation tokens are holes in its mask: GPG's alpha and BAPO's bounds count the
+    model tokens only, so a row with holes gives what its compacted row gives."""
+    rng = np.random.default_rng(21)
+    holes = f32([[1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0]])
+    compact = f32([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    lr_h = f32(rng.uniform(-1.0, 1.0, (4, 6)))
+    adv_h = f32(np.repeat(rng.normal(-0.3, 1.0, (4, 1)), 6, 1))
+    adv_h[3] = 0.0  # a row without gradient
+    lr_c, adv_c = np.zeros_like(lr_h), np.zeros_like(adv_h)
+    for i in range(4):
+        kept = np.flatnonzero(holes[i])
+        lr_c[i, :len(kept)], adv_c[i, :len(kept)] = lr_h[i, kept], adv_h[i, kept]
+        lr_h[i, holes[i] == 0], adv_h[i, holes[i] == 0] = 9.0, 5.0  # garbage on the observation tokens
+    _, alpha_h = gpg_alpha(jnp.asarray(adv_h), jnp.asarray(holes))
+    _, alpha_c = gpg_alpha(jnp.asarray(adv_c), jnp.asarray(compact))
+    assert float(alpha_h) == float(alpha_c) == pytest.approx(3 / 2)
+    bounds_h = bapo_clip_bounds(jnp.asarray(lr_h), jnp.asarray(adv_h), jnp.asarray(holes), **BAPO_ARGS)
+    bounds_c = bapo_clip_bounds(jnp.asarray(lr_c), jnp.asarray(adv_c), jnp.asarray(compact), **BAPO_ARGS)
+    np.testing.assert_allclose([float(x) for x in bounds_h], [float(x) for x in bounds_c], rtol=1e-6)
+    np.testing.assert_allclose([float(x) for x in bounds_c],
+                               np_bapo_bounds(f64(lr_c), f64(adv_c), compact, *BAPO_ARGS.values()), rtol=1e-5)
