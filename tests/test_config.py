@@ -73,7 +73,7 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.optim.learning_rate=.inf"], ["rl.optim.learning_rate: must be finite, got inf"]),
         ("", ["sft.optim.learning_rate=inf"], ["sft.optim.learning_rate: must be finite, got inf"]),
         ("", ["rl.sampling.temperature=inf"], ["rl.sampling.temperature: must be finite, got inf"]),
-        ("", ["rl.loss.clip_eps_high=inf"], ["rl.loss.clip_eps_high: must be finite, got inf"]),
+        ("", ["rl.loss.clip_eps_low=inf"], ["rl.loss.clip_eps_low: must be finite, got inf"]),
         ("", ["model.rope_theta=inf"], ["model.rope_theta: must be finite, got inf"]),
         ("", ["rl.loss.clip_cov_high=nan"], ["rl.loss.clip_cov_high", "must be a number, got nan"]),
         ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
@@ -167,7 +167,8 @@ def _float_fields(cls, prefix=""):
 
 
 FLOAT_FIELDS = sorted(_float_fields(Config))
-INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm"}
+INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm",
+                            "rl.loss.clip_eps_high"}  # no upper ratio clip (gpg's preset, issue 35)
 
 
 @pytest.mark.parametrize("path", FLOAT_FIELDS)
