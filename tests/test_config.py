@@ -175,7 +175,7 @@ INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm",
 def test_every_float_field_refuses_infinity_unless_it_means_no_limit(path):
     """`rl.optim.learning_rate=.inf` was accepted (and the first update made every parameter non-finite). Every
     float field of the run config now refuses +-inf, through the bounds metadata (not field by field); only the
-    gradient-norm limits admit +inf, which optax reads as no clipping."""
+    gradient-norm limits admit +inf, which optax reads as no clipping, and rl.loss.clip_eps_high (no upper clip)."""
     assert len(FLOAT_FIELDS) > 40  # the sweep reaches every section (rl.loss, model, reward, ...)
     if path in INFINITY_MEANS_SOMETHING:
         assert load_config(Config, "configs/default.yaml", [f"{path}=inf"])
