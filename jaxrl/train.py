@@ -390,6 +390,33 @@ def _split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def _adaptive_clip_fields(clip_bounds: Callable, state: TrainState, batch: Batch, controls: Controls,
+                          micro_batches: int) -> Batch:
+    """`loss.clip_bounds` (`losses.compose.adaptive_clip_fields`) of the whole mini-batch: one forward pass of the
+    current policy (micro-batch by micro-batch) for its log-probs, then the bounds of all its tokens, as `[B, N]`
+    fields that split with the batch. Not with packed rows (their log-probs come per packed micro-batch)."""
+    if "plan" in batch:
+        raise ValueError("rl.packing.enabled: an adaptive clip (objective 'bapo') needs the current policy's log-probs "
+                         "of the whole mini-batch before the update, which the packed path does not compute; set "
+                         "rl.packing.enabled: false")
+    policy = state.policy
+
+    def logp_of(piece):
+        return jax.lax.stop_gradient(completion_logprobs(policy, piece["tokens"], piece["prompt_valid"],
+                                                         controls.temperature)[0])
+
+    rows = {"tokens": batch["tokens"], "prompt_valid": batch["prompt_valid"]}
+    if micro_batches > 1:
+        per_piece = jax.lax.map(logp_of, _split_micro_batches(rows, micro_batches))  # [M, B/M, N]
+        logp = per_piece.swapaxes(0, 1).reshape(batch["old_logp"].shape)  # the inverse of the split
+    else:
+        logp = logp_of(rows)
+    counted = batch["loss_mask"].astype(jnp.float32)
+    if batch.get("token_weights") is not None:
+        counted = counted * batch["token_weights"]
+    return clip_bounds(logp, batch["old_logp"], batch["advantages"], counted)
+
+
 def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float = 1.0, full_kl: bool = False):
     """`(state, batch, controls, ref_policy) -> (grads, metrics)` of `loss` over one mini-batch.
 
@@ -411,7 +438,8 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
                             entropy=entropy, ref_logp=micro.get("ref_logp"),
                             token_weights=micro.get("token_weights"), kl_cov_mask=micro.get("kl_cov_mask"),
                             kl_full=kl, values=values, old_values=micro.get("old_values"),
-                            returns=micro.get("returns"))
+                            returns=micro.get("returns"), clip_low=micro.get("clip_low"),
+                            clip_high=micro.get("clip_high"))
         return loss(inputs, norm, controls)
 
     def micro_loss(trainable, state: TrainState, micro: Batch, norm, controls: Controls, ref_policy):
@@ -457,6 +485,9 @@ def make_rl_gradients(loss: Term, *, micro_batches: int = 1, norm_length: float 
         if state.critic is not None:
             trainable["critic"] = state.critic.params
         norm = losses.normalizers(batch["loss_mask"], norm_length, batch.get("token_weights"))
+        clip_bounds = getattr(loss, "clip_bounds", None)
+        if clip_bounds is not None:  # adaptive clip bounds (BAPO) of this whole mini-batch, before it is split
+            batch = {**batch, **_adaptive_clip_fields(clip_bounds, state, batch, controls, micro_batches)}
         if "plan" in batch:
             pieces = _plan_micro_batches(batch["plan"])
             count = batch["plan"].micro_batches

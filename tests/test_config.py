@@ -73,7 +73,7 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.optim.learning_rate=.inf"], ["rl.optim.learning_rate: must be finite, got inf"]),
         ("", ["sft.optim.learning_rate=inf"], ["sft.optim.learning_rate: must be finite, got inf"]),
         ("", ["rl.sampling.temperature=inf"], ["rl.sampling.temperature: must be finite, got inf"]),
-        ("", ["rl.loss.clip_eps_high=inf"], ["rl.loss.clip_eps_high: must be finite, got inf"]),
+        ("", ["rl.loss.clip_eps_low=inf"], ["rl.loss.clip_eps_low: must be finite, got inf"]),
         ("", ["model.rope_theta=inf"], ["model.rope_theta: must be finite, got inf"]),
         ("", ["rl.loss.clip_cov_high=nan"], ["rl.loss.clip_cov_high", "must be a number, got nan"]),
         ("", ["eval.samples=4", "eval.pass_k=[]"], ["eval.pass_k is empty"]),
@@ -112,6 +112,11 @@ def test_dumped_recipe_loads_back_and_takes_another_preset_like_the_recipe(tmp_p
     assert load_config(Config, dumped) == config
     for name in type(config.rl.loss).PRESETS:
         overrides = [f"rl.loss.preset={name}"] + (["rl.critic.model=policy_copy"] if name == "ppo" else [])
+        if name == "gpg" and "rl.loss.clip_eps_high=0.5" in changes:  # GPG has no ratio to clip: refused on both
+            for source, extra in ((dumped, []), (recipe, changes)):
+                with pytest.raises(ConfigError, match="rl.loss.clip_eps_high: objective 'gpg' has no ratio clip"):
+                    load_config(Config, source, extra + overrides)
+            continue
         assert load_config(Config, dumped, overrides) == load_config(Config, recipe, changes + overrides), name
     gspo = load_config(Config, dumped, ["rl.loss.preset=gspo"]).rl.loss
     assert (gspo.ratio, gspo.clip_eps_low, gspo.aggregation) == ("sequence", 3e-4, "seq-mean-token-mean")
@@ -162,14 +167,15 @@ def _float_fields(cls, prefix=""):
 
 
 FLOAT_FIELDS = sorted(_float_fields(Config))
-INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm"}
+INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm",
+                            "rl.loss.clip_eps_high"}  # no upper ratio clip (gpg's preset, issue 35)
 
 
 @pytest.mark.parametrize("path", FLOAT_FIELDS)
 def test_every_float_field_refuses_infinity_unless_it_means_no_limit(path):
     """`rl.optim.learning_rate=.inf` was accepted (and the first update made every parameter non-finite). Every
     float field of the run config now refuses +-inf, through the bounds metadata (not field by field); only the
-    gradient-norm limits admit +inf, which optax reads as no clipping."""
+    gradient-norm limits admit +inf, which optax reads as no clipping, and rl.loss.clip_eps_high (no upper clip)."""
     assert len(FLOAT_FIELDS) > 40  # the sweep reaches every section (rl.loss, model, reward, ...)
     if path in INFINITY_MEANS_SOMETHING:
         assert load_config(Config, "configs/default.yaml", [f"{path}=inf"])

@@ -879,7 +879,7 @@ def test_sampled_kl_estimators_against_numpy():
         v = kl_k3(jnp.float32(0.0), jnp.float32(big))
         assert np.isfinite(float(v)) and float(v) > 0
         assert np.isfinite(float(jgrad(lambda x: kl_k3(x, jnp.float32(big)))(jnp.float32(0.0))))
-    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "full"}
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "full", "abs"}
     with pytest.raises(ValueError, match="k1, k2, k3") as err:
         kl_estimate(jnp.asarray(lp), jnp.asarray(ref), "k4")
     assert "kl_full" in str(err.value)

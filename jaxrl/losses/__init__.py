@@ -4,27 +4,29 @@
 |---|---|
 | `aggregation` | `Normalizers` (whole-batch counts), `aggregate` (token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm), `reduce_metrics`, `mean_over_updates` |
 | `policy` | importance ratios (token, GSPO sequence, GSPO-token), objectives (`ppo_clip` with clip-higher and dual clip, `reinforce`, `cispo`, `gmpo`), `truncated_is_weights` |
+| `updates` | issue 35's objectives: `gpg` (no ratio, no clip; `preset: gpg`), `bapo` (clip bounds adapted per mini-batch by `bapo_clip_bounds`; `preset: bapo`), `dcpo` (bounds from each token's old probability; `preset: dcpo`), `aspo` (flipped ratio for positive tokens, soft dual clip; `preset: aspo`), `cpgd` (clipped log-ratio gradient, with `policy_drift` via `drift_coef`; `preset: cpgd`) |
 | `masks` | batch-level token selections: overlong filtering, top-entropy ("forking") tokens, Clip-Cov, KL-Cov, log-prob/advantage covariance |
-| `regularizers` | KL estimators (k1, k2, k3, full), clipped value loss, adaptive entropy coefficient, temperature controller |
+| `regularizers` | KL estimators (k1, k2, k3, full, abs: `kl_estimator: abs`), clipped value loss, adaptive entropy coefficient, temperature controller |
 | `config` | `LossConfig` and the named presets (configurations only) |
-| `compose` | `LossInputs`, `Controls`, terms (`policy_term`, `kl_term`, `entropy_term`, `kl_cov_term`, `value_term`), `combine`, `build_loss` |
-| `batch` | `prepare_batch`: advantages, masks and weights of a whole rollout batch, before it is split |
+| `compose` | `LossInputs`, `Controls`, terms (`policy_term`, `kl_term`, `entropy_term`, `kl_cov_term`, `drift_term`, `value_term`), `combine`, `build_loss` |
+| `batch` | `prepare_batch`: advantages, masks and weights of a whole rollout batch, before it is split (with GPG's `gpg_alpha`) |
 
 Advantage estimators live in `jaxrl.advantages`.
 """
 
 from jaxrl.losses.aggregation import (AGGREGATIONS, Normalizers, aggregate, mean_over_updates, normalizers,
                                      reduce_metrics, token_mean)
-from jaxrl.losses.batch import prepare_batch
-from jaxrl.losses.compose import (Controls, LossInputs, Term, build_loss, combine, entropy_term, kl_cov_term,
-                                  kl_term, policy_term, value_term)
+from jaxrl.losses.batch import gpg_alpha, prepare_batch
+from jaxrl.losses.compose import (Controls, LossInputs, Term, build_loss, combine, drift_term, entropy_term,
+                                  kl_cov_term, kl_term, policy_term, value_term)
 from jaxrl.losses.config import PRESETS, LossConfig
 from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covariance, top_entropy_mask,
                                 truncation_mask)
 from jaxrl.losses.policy import (cispo, gmpo, ppo_clip, reinforce, sequence_log_ratio,
                                  sequence_token_log_ratio, token_log_ratio, truncated_is_weights)
-from jaxrl.losses.regularizers import (KL_ESTIMATORS, adapt_entropy_coef, adapt_temperature, kl_estimate, kl_full,
-                                       kl_k1, kl_k2, kl_k3, value_loss)
+from jaxrl.losses.regularizers import (KL_ESTIMATORS, adapt_entropy_coef, adapt_temperature, kl_abs, kl_estimate,
+                                       kl_full, kl_k1, kl_k2, kl_k3, value_loss)
+from jaxrl.losses.updates import aspo, bapo, bapo_clip_bounds, cpgd, dcpo, gpg, policy_drift
 
 __all__ = [
     "AGGREGATIONS", "KL_ESTIMATORS", "PRESETS", "Controls", "LossConfig", "LossInputs",
@@ -35,4 +37,6 @@ __all__ = [
     "sequence_token_log_ratio",
     "token_log_ratio", "token_mean", "top_entropy_mask", "truncated_is_weights", "truncation_mask", "value_loss",
     "value_term",
+    # issue 35, policy updates
+    "aspo", "bapo", "bapo_clip_bounds", "cpgd", "dcpo", "drift_term", "gpg", "gpg_alpha", "kl_abs", "policy_drift",
 ]

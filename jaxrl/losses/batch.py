@@ -24,6 +24,19 @@ def _mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(x * m) / jnp.maximum(m.sum(), 1.0)
 
 
+def gpg_alpha(advantages: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """GPG's accurate gradient estimation (Chu et al. 2025, arXiv 2504.02546): advantages `[B, N]` times
+    `alpha = B / (B - M)`, B the rows with loss tokens, M those among them whose advantage is 0 on every loss token
+    (a group whose rewards are all equal), so the mean over all rows counts as one over the rows that carry a
+    gradient. Returns `(scaled advantages, alpha)`; alpha is 1 when no row carries a gradient."""
+    m = mask.astype(jnp.float32)
+    rows = m.sum(axis=1) > 0
+    zero = rows & (jnp.sum(jnp.abs(advantages) * m, axis=1) == 0)
+    b, zeros = rows.sum().astype(jnp.float32), zero.sum().astype(jnp.float32)
+    alpha = jnp.where(b > zeros, b / jnp.maximum(b - zeros, 1.0), 1.0)
+    return advantages * alpha, alpha
+
+
 def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: jax.Array, old_logp: jax.Array,
                   group_size: int, key: jax.Array, truncated: jax.Array | None = None,
                   entropy: jax.Array | None = None, ref_logp: jax.Array | None = None,
@@ -71,6 +84,8 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
                                       values=values, greedy_rewards=greedy_rewards, components=components,
                                       component_weights=component_weights, token_penalty=token_penalty,
                                       token_rewards=token_rewards, turn_ids=turn_ids)
+    if config.gpg_correction:  # issue 35: GPG's alpha, a whole-batch count (before the batch is split)
+        advantages, metrics["gpg_alpha"] = gpg_alpha(advantages, loss_mask)
     fields = {"advantages": advantages, "loss_mask": loss_mask}
     if returns is not None:
         fields["returns"] = returns

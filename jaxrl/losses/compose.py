@@ -25,6 +25,7 @@ up over micro-batches (`_max`/`_min` names are maxed/minned, see `aggregation.re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -34,8 +35,9 @@ from flax import struct
 from jaxrl.losses.aggregation import Normalizers, aggregate, masked_max, masked_min, token_mean
 from jaxrl.losses.config import LossConfig
 from jaxrl import registry
-from jaxrl.losses.policy import clamped_ratio
+from jaxrl.losses.policy import clamped_ratio, token_log_ratio
 from jaxrl.losses.regularizers import K1_AS_LOSS, kl_estimate, kl_k3, value_loss
+from jaxrl.losses.updates import bapo_clip_bounds, policy_drift
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
@@ -60,6 +62,10 @@ class LossInputs:
     values: jax.Array | None = None  # critic's current values
     old_values: jax.Array | None = None
     returns: jax.Array | None = None
+    # Per-token ratio bounds of an adaptive clip (BAPO: `updates.bapo_clip_bounds` over the whole optimized batch,
+    # computed by the trainer before the batch is split), replacing the objective's constant 1 - eps_low, 1 + eps_high.
+    clip_low: jax.Array | None = None
+    clip_high: jax.Array | None = None
 
 
 @struct.dataclass
@@ -110,15 +116,23 @@ def policy_term(objective: str | ObjectiveFn = "ppo_clip", ratio: str | Callable
     `norm.num_counted_tokens` (take the `Normalizers` with `normalizers(..., token_weights=...)`; without that
     count they describe all valid tokens); `masked_frac` and `entropy` describe all valid tokens.
     """
+    adaptive = False
     if isinstance(objective, str):
-        objective = registry.resolve("objective", objective, "objective").fn
+        entry = registry.resolve("objective", objective, "objective")
+        objective, adaptive = entry.fn, bool(entry.info.get("adaptive_clip"))
     ratio_fn = registry.resolve("ratio", ratio, "ratio").fn if isinstance(ratio, str) else ratio
 
     def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
         mask = inputs.mask.astype(jnp.float32)
         log_ratio = ratio_fn(inputs.logp, inputs.old_logp, mask)
-        per_token, token_metrics = objective(log_ratio, inputs.advantages, inputs.logp, mask, eps_low, eps_high,
+        low, high = eps_low, eps_high
+        if adaptive:  # bounds of the whole optimized batch, as eps arrays
+            low = 1.0 - _require(inputs.clip_low, "clip_low", "adaptive-clip policy")
+            high = _require(inputs.clip_high, "clip_high", "adaptive-clip policy") - 1.0
+        per_token, token_metrics = objective(log_ratio, inputs.advantages, inputs.logp, mask, low, high,
                                              dual_clip_c)
+        if adaptive:
+            token_metrics = {**token_metrics, "clip_bound_low": inputs.clip_low, "clip_bound_high": inputs.clip_high}
         weights = jnp.ones_like(mask) if inputs.token_weights is None else inputs.token_weights
         loss = aggregate(per_token * weights, mask, aggregation, norm)
         ratio_value = clamped_ratio(log_ratio)
@@ -186,6 +200,18 @@ def kl_cov_term(coef: float, aggregation: str = "token-mean") -> Term:
     return term
 
 
+def drift_term(coef: float, aggregation: str = "token-mean") -> Term:
+    """CPGD's policy drift `coef * KL(pi_old || pi)`, per token `updates.policy_drift` (`r - 1 - ln r`); metric
+    `policy_drift` is its token mean (Liu et al. 2025, arXiv 2505.12504)."""
+
+    def term(inputs: LossInputs, norm: Normalizers, controls: Controls):
+        per_token = policy_drift(inputs.logp, inputs.old_logp)
+        drift = aggregate(per_token, inputs.mask, aggregation, norm)
+        return coef * drift, {"policy_drift": token_mean(sg(per_token), inputs.mask, norm)}
+
+    return term
+
+
 def value_term(coef: float = 0.5, clip_eps: float | None = 0.2, aggregation: str = "token-mean") -> Term:
     """`coef * clipped value loss`; metrics `value_loss`, `value_clip_frac`. `build_loss` uses token-mean
     whatever the policy's aggregation: value regression is per token (as in PPO implementations)."""
@@ -231,7 +257,27 @@ def build_loss(config: LossConfig, *, with_critic: bool = False) -> Term:
         terms.append(entropy_term(None if config.entropy_target is not None else config.entropy_coef, agg))
     if config.kl_cov_ratio:
         terms.append(kl_cov_term(config.kl_cov_coef, agg))
+    if config.drift_coef:
+        terms.append(drift_term(config.drift_coef, agg))
     if with_critic:
         terms.append(value_term(config.value_coef, config.value_clip_eps))
     terms += [registry.resolve("term", name, f"rl.loss.terms[{i}]").fn for i, name in enumerate(config.terms)]
-    return combine(*terms)
+    loss = combine(*terms)
+    if registry.resolve("objective", config.objective, "rl.loss.objective").info.get("adaptive_clip"):
+        loss.clip_bounds = functools.partial(adaptive_clip_fields, config)
+    return loss
+
+
+def adaptive_clip_fields(config: LossConfig, logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
+                         mask: jax.Array) -> dict[str, jax.Array]:
+    """BAPO's bounds for one optimizer step, from the current policy's log-probs of the *whole* optimized batch
+    (all `[B, N]`; `mask`: the tokens the loss counts): `{"clip_low", "clip_high"}` as `[B, N]` arrays, which
+    travel with the batch into its micro-batches (`LossInputs.clip_low/high`), so the bounds do not depend on
+    the split. The trainer calls it as `loss.clip_bounds` (`jaxrl.train.make_rl_gradients`)."""
+    c_low, c_high, _ = bapo_clip_bounds(token_log_ratio(sg(logp), old_logp, mask), advantages, mask,
+                                        target=config.bapo_target, low_start=config.bapo_low_start,
+                                        low_max=config.bapo_low_max, high_start=config.bapo_high_start,
+                                        high_max=config.bapo_high_max, step_low=config.bapo_step_low,
+                                        step_high=config.bapo_step_high)
+    ones = jnp.ones(logp.shape, jnp.float32)
+    return {"clip_low": c_low * ones, "clip_high": c_high * ones}

@@ -12,6 +12,7 @@ file or as `key=value` overrides) win over the preset, whatever their order:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args
 
@@ -21,7 +22,8 @@ from jaxrl.losses.aggregation import Aggregation
 from jaxrl.losses.regularizers import K1_AS_LOSS, KLEstimator
 
 Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
-                 "kl_cov"]
+                 "kl_cov",
+                 "gpg", "bapo", "dcpo", "aspo", "cpgd"]  # issue 35, policy updates (jaxrl.losses.updates)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (Shao et al. 2024, arXiv 2402.03300): group-normalised advantages, sequence-mean loss,
@@ -58,6 +60,26 @@ PRESETS: dict[str, dict[str, Any]] = {
                      clip_cov_low=1.0, clip_cov_high=5.0),
     # KL-Cov (same paper): unclipped objective, KL penalty on the top-covariance tokens.
     "kl_cov": dict(objective="reinforce", aggregation="token-mean", kl_cov_ratio=2e-3, kl_cov_coef=1.0),
+    # --- issue 35, policy updates (jaxrl.losses.updates) ---
+    # GPG (Chu et al. 2025, arXiv 2504.02546): -A log pi, no ratio and no clip (eps_low >= 1 and eps_high = inf
+    # say so), mean-centred advantages without std (F_norm = 1) scaled by alpha = B / (B - M), token-mean (the
+    # paper's 1 / sum |o_i|).
+    "gpg": dict(objective="gpg", advantage={"std_scope": "none"}, gpg_correction=True, clip_eps_low=1.0,
+                clip_eps_high=math.inf, aggregation="token-mean"),
+    # BAPO (Xi et al. 2025, arXiv 2510.18927): PPO clip with bounds adapted per mini-batch so positive tokens carry
+    # half of the gradient's weight; rho_0 = 0.5, c_low in [0.6, 0.9], c_high in [1.2, 3.0] (the values the
+    # official README gives as the paper's), steps 0.05 and dual clip c = 3 (its verl recipe), token-mean.
+    "bapo": dict(objective="bapo", dual_clip_c=3.0, aggregation="token-mean"),
+    # DCPO (Yang et al. 2025, arXiv 2509.02333): dynamic-adaptive clipping with eps_low 0.16, eps_high 0.2 (Sec. 4.1
+    # and its bounds table), token-mean. Its smooth advantage standardisation needs each prompt's reward history
+    # across steps and is not here.
+    "dcpo": dict(objective="dcpo", clip_eps_low=0.16, clip_eps_high=0.2, aggregation="token-mean"),
+    # ASPO (Wang et al. 2025, arXiv 2510.06062): flipped ratio for A > 0, soft dual clip c = 3, clip 0.2 / 0.2,
+    # token-mean (the official Archer2.0 scripts' values; not checked against a table of the paper).
+    "aspo": dict(objective="aspo", clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, aggregation="token-mean"),
+    # CPGD (Liu et al. 2025, arXiv 2505.12504): clipped log-ratio policy gradient, eps 0.2, plus the policy drift
+    # KL(pi_old || pi) with coefficient 0.1 (our setting: the paper's value was not checked), token-mean.
+    "cpgd": dict(objective="cpgd", clip_eps_low=0.2, clip_eps_high=0.2, drift_coef=0.1, aggregation="token-mean"),
 }
 assert set(PRESETS) == set(get_args(Preset))
 
@@ -77,11 +99,12 @@ class LossConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     # Importance ratio and objective.
     # Registered names (jaxrl.registry kinds `ratio`, `objective`; with those of modules under `imports:`) or
-    # `module:function`. Ratios: token, sequence, sequence_token; objectives: ppo_clip, reinforce, cispo, gmpo.
+    # `module:function`. Ratios: token, sequence, sequence_token; objectives: ppo_clip, reinforce, cispo, gmpo, and
+    # (jaxrl.losses.updates) gpg, bapo, dcpo, aspo, cpgd.
     ratio: str = "token"
     objective: str = "ppo_clip"
     clip_eps_low: float = _field(0.2, ge=0)  # gmpo: log-space bounds
-    clip_eps_high: float = _field(0.28, ge=0)
+    clip_eps_high: float = _field(0.28, ge=0, le=math.inf)  # .inf: no upper clip (gpg)
     dual_clip_c: float | None = _field(None, gt=1)  # ppo_clip only: caps the loss of A < 0 tokens at -c A
     # Aggregation over tokens (normalised by whole-batch counts).
     aggregation: Aggregation = "token-mean"
@@ -115,6 +138,16 @@ class LossConfig:
     # Loss terms of the user's own added to the loss (jaxrl.registry kind `term`, or module:function), each
     # `(LossInputs, Normalizers, Controls) -> (scalar, metrics)` like the built-in terms of jaxrl.losses.compose.
     terms: tuple[str, ...] = ()
+    # Issue 35, policy updates (jaxrl.losses.updates); all off by default.
+    gpg_correction: bool = False  # GPG: scale advantages by B / (B - M), M = rows whose advantage is all zero
+    drift_coef: float = _field(0.0, ge=0)  # CPGD: coef x KL(pi_old || pi) policy-drift term (0: off)
+    bapo_target: float = _field(0.5, gt=0, lt=1)  # BAPO: positive tokens' target share of the contributions
+    bapo_low_start: float = _field(0.6, gt=0, lt=1)  # BAPO: c_low starts here and rises by bapo_step_low
+    bapo_low_max: float = _field(0.9, gt=0, lt=1)
+    bapo_high_start: float = _field(1.2, gt=1)  # BAPO: c_high starts here and rises by bapo_step_high
+    bapo_high_max: float = _field(3.0, gt=1)
+    bapo_step_low: float = _field(0.05, gt=0)
+    bapo_step_high: float = _field(0.05, gt=0)
     # Value loss (with a critic).
     value_coef: float = _field(0.5, ge=0)
     value_clip_eps: float | None = _field(0.2, gt=0)
@@ -164,6 +197,7 @@ class LossConfig:
             raise registry.RegistryError(f"{prefix}.dual_clip_c: dual_clip_c applies to objective 'ppo_clip' (and "
                                          f"those registered with dual_clip=True), not {self.objective!r}",
                                          field=f"{prefix}.dual_clip_c")
+        self._check_update_pieces(objective, prefix)
         if self.advantage.per_component and not estimator.info.get("per_component"):
             raise registry.RegistryError(
                 f"{prefix}.advantage.per_component: normalising each reward component is defined for estimator "
@@ -193,6 +227,37 @@ class LossConfig:
                 f"{prefix}.kl_in_reward: estimator {self.advantage.estimator!r} splits each group by "
                 "binary outcome rewards and takes no KL penalty in the reward: set kl_in_reward: false",
                 field=f"{prefix}.kl_in_reward")
+
+    def _check_update_pieces(self, objective: registry.Entry, prefix: str) -> None:
+        """Issue 35's objectives: GPG has no ratio to clip, BAPO's bounds move in (0, 1) and (1, inf), CPGD clips
+        the log ratio (so eps_low < 1), and gpg_correction is GPG's."""
+        def error(field: str, message: str):
+            return registry.RegistryError(f"{prefix}.{field}: {message}", field=f"{prefix}.{field}")
+
+        name = self.objective
+        if objective.info.get("ratio_free"):
+            if self.ratio != "token":
+                raise error("ratio", f"objective {name!r} uses no importance ratio; ratio must be 'token', got "
+                                     f"{self.ratio!r}")
+            if self.clip_eps_low < 1.0:
+                raise error("clip_eps_low", f"objective {name!r} has no ratio clip: clip_eps_low must be >= 1 (no "
+                                            f"lower clip), got {self.clip_eps_low} (preset gpg sets it)")
+            if self.clip_eps_high != math.inf:
+                raise error("clip_eps_high", f"objective {name!r} has no ratio clip: clip_eps_high must be .inf (no "
+                                             f"upper clip), got {self.clip_eps_high} (preset gpg sets it)")
+        if self.gpg_correction and not objective.info.get("ratio_free"):
+            raise error("gpg_correction", f"GPG's advantage correction B / (B - M) is defined for objective 'gpg', "
+                                          f"not {name!r}")
+        if objective.info.get("log_clip") and self.clip_eps_low >= 1.0:
+            raise error("clip_eps_low", f"objective {name!r} clips the log ratio at ln(1 - clip_eps_low): "
+                                        f"clip_eps_low must be < 1, got {self.clip_eps_low}")
+        if objective.info.get("adaptive_clip"):
+            if not self.bapo_low_start <= self.bapo_low_max:
+                raise error("bapo_low_max", f"must be >= bapo_low_start ({self.bapo_low_start}), got "
+                                            f"{self.bapo_low_max}")
+            if not self.bapo_high_start <= self.bapo_high_max:
+                raise error("bapo_high_max", f"must be >= bapo_high_start ({self.bapo_high_start}), got "
+                                             f"{self.bapo_high_max}")
 
     # Which per-token inputs the objective needs from the rollout; the loop computes only these.
     @property

@@ -24,6 +24,8 @@ Objectives (kind `objective`), `(log_ratio, advantages, logp, mask, eps_low, eps
 - `gmpo`: geometric mean of the token ratios of a sequence, each clipped in log space to
   `[-eps_low, eps_high]` on the pessimistic side, times the advantage (Zhao et al. 2025, arXiv
   2507.20673); the sequence's loss is broadcast to its tokens.
+
+The second wave's objectives (`gpg`, `bapo`, `dcpo`, `aspo`, `cpgd`) live in `jaxrl.losses.updates`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ divergence"), with `d = logp - target_logp`:
 - `k2`: `d^2 / 2` (biased, >= 0);
 - `k3`: `exp(-d) + d - 1` (unbiased, >= 0); `|d|` is clamped to 20 so that `exp` cannot overflow, with
   the gradient kept beyond the clamp;
-- `full`: `sum_v p(v) (log p(v) - log q(v))` over the whole vocabulary (needs both distributions).
+- `full`: `sum_v p(v) (log p(v) - log q(v))` over the whole vocabulary (needs both distributions);
+- `abs`: `|d|` (biased, >= 0), verl's `kl_penalty="abs"`: a penalty on the absolute log-ratio, not an estimate
+  of a KL; as a loss its gradient is `sign(d) grad log pi`, a pull of constant size toward the target.
 
 As a loss term on tokens sampled from pi, what matters is the expected gradient: `k2`'s is the gradient of
 `KL(pi || target)`, `k3`'s (GRPO's choice) that of the forward `KL(target || pi)`, `full`'s the exact
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxrl.losses.policy import clamp_keep_gradient
 
-KLEstimator = Literal["k1", "k2", "k3", "full"]
+KLEstimator = Literal["k1", "k2", "k3", "full", "abs"]
 K1_AS_LOSS = ("the k1 KL estimate as a loss term has gradient grad log pi, zero in expectation on the policy's "
               "own samples: it would log a KL but not pull toward the target. Use kl_estimator k2 (gradient of "
               "KL(pi || target)), k3 (GRPO's; gradient of KL(target || pi)) or full, or fold k1 into the reward "
@@ -46,11 +48,16 @@ def kl_k3(logp: jax.Array, target_logp: jax.Array) -> jax.Array:
     return jnp.expm1(log_ratio) - log_ratio
 
 
-SAMPLED_KL = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+def kl_abs(logp: jax.Array, target_logp: jax.Array) -> jax.Array:
+    """`|logp - target_logp|` per token (verl's `kl_penalty="abs"`); its gradient at `d = 0` is 0."""
+    return jnp.abs(logp - target_logp)
+
+
+SAMPLED_KL = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs}
 
 
 def kl_estimate(logp: jax.Array, target_logp: jax.Array, estimator: str) -> jax.Array:
-    """Per-token sampled KL estimate `[B, N]` of `KL(pi || target)` by name (`k1`, `k2`, `k3`)."""
+    """Per-token sampled KL estimate `[B, N]` of `KL(pi || target)` by name (`k1`, `k2`, `k3`, `abs`)."""
     if estimator not in SAMPLED_KL:
         raise ValueError(f"unknown sampled KL estimator {estimator!r}; valid choices: "
                          f"{', '.join(SAMPLED_KL)} ('full' needs whole distributions: use kl_full)")
