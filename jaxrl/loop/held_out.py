@@ -129,7 +129,7 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
         local_votes = np.zeros((len(padded), len(e.pass_k)), bool)
         if with_answers:
             for p in range(real):
-                answers = [_answer_key(t) for t in texts[p * e.samples:(p + 1) * e.samples]]
+                answers = [answer_key(t) for t in texts[p * e.samples:(p + 1) * e.samples]]
                 local_votes[p] = [evaluation.majority_correct(answers[:k], local[p, :k]) for k in e.pass_k]
         all_correct, all_votes = gather((local, local_votes), generate.mesh)
         correct.append(all_correct[:len(chunk)])
@@ -142,7 +142,9 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
     return metrics
 
 
-def _answer_key(text: str) -> str | None:
+def answer_key(text: str) -> str | None:
+    """A completion's extracted final answer, normalised (None: no answer): maj@k's votes, SEED-GRPO's
+    semantic clusters."""
     answer = rewards.extract_answer(text)
     return None if answer is None else rewards.normalize_answer(answer)
 
