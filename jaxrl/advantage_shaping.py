@@ -114,10 +114,12 @@ def passk(rewards: jax.Array, group_size: int, k: int) -> jax.Array:
       wrong samples:   `A_neg = (1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / sigma`.
     k = 1 gives GRPO with the population std. Where sigma = 0 (every k-subset passes, or none does) the
     numerators are 0 too, and the advantage is exactly 0 (no eps). rewards `[B]` (correct iff > 0) -> `[B]`;
-    needs 1 <= k <= G.
+    needs 1 <= k < G: with k = G the group is its only k-subset, every sample shares its pass@k, and every
+    advantage is 0 (no learning signal), so it is refused.
     """
-    if not 1 <= k <= group_size:
-        raise ValueError(f"rl.loss.advantage.passk_k must be in [1, group_size = {group_size}], got {k}")
+    if not 1 <= k < group_size:
+        raise ValueError(f"rl.loss.advantage.passk_k must be in [1, group_size - 1 = {group_size - 1}] (k = G "
+                         f"leaves every advantage 0), got {k}")
     grouped = _groups(rewards, group_size)
     correct = grouped > 0
     negatives = (~correct).sum(axis=1, keepdims=True).astype(jnp.float32)  # [P, 1]

@@ -76,7 +76,7 @@ class AdvantageConfig:
     turn_gamma: float = dataclasses.field(default=1.0, metadata={"ge": 0, "le": 1})
     # Issue 35, advantage and entropy methods (jaxrl.advantage_shaping); each used only by its estimator.
     psr_weight: float = dataclasses.field(default=0.1, metadata={"ge": 0})  # w_reinforce: lambda on correct samples
-    passk_k: int = dataclasses.field(default=4, metadata={"ge": 1})  # passk: the k of pass@k (<= group_size)
+    passk_k: int = dataclasses.field(default=4, metadata={"ge": 1})  # passk: the k of pass@k (< group_size)
     empg_k: float = dataclasses.field(default=1.0, metadata={"gt": 0})  # empg: scaling temperature k
     empg_k_future: float = dataclasses.field(default=1.0, metadata={"gt": 0})  # empg: future-clarity k'
     empg_zeta: float = dataclasses.field(default=0.1, metadata={"ge": 0})  # empg: future-clarity weight zeta

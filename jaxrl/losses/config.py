@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "w_reinforce": dict(advantage={"estimator": "w_reinforce", "psr_weight": 0.1}, clip_eps_low=0.2,
                         clip_eps_high=0.2, aggregation="token-mean"),
     # Pass@k training with analytic advantages (Chen et al. 2025, arXiv 2508.10751); k = 4 of the default
-    # recipe's 8 samples per prompt (our choice; k must not exceed rl.group_size).
+    # recipe's 8 samples per prompt (our choice; k must be below rl.group_size).
     "passk": dict(advantage={"estimator": "passk", "passk_k": 4}, clip_eps_low=0.2, clip_eps_high=0.2,
                   aggregation="token-mean"),
     # EMPG (Wang et al. 2025, arXiv 2509.09265) on DAPO's clip-higher and token-mean (the paper applies it to
