@@ -65,8 +65,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # BNPO (Xiao et al. 2025, arXiv 2506.02864): Beta-density-normalised group advantages; binary rewards.
     "bnpo": dict(advantage={"estimator": "bnpo"}, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token-mean"),
     # W-REINFORCE (Zhu et al. 2025, arXiv 2506.01347): +lambda on correct, -1 on wrong samples, no baseline, no
-    # KL; lambda = 0.1, the paper's recommended weight (and its code's run script). PSR / NSR alone:
-    # rl.loss.advantage.estimator=psr / nsr.
+    # KL (kl_coef 0 in the authors' run scripts); lambda = 0.1, the W-REINFORCE weight of those scripts
+    # (github.com/TianHongZXY/RLVR-Decomposed). PSR / NSR alone: rl.loss.advantage.estimator=psr / nsr.
     "w_reinforce": dict(advantage={"estimator": "w_reinforce", "psr_weight": 0.1}, clip_eps_low=0.2,
                         clip_eps_high=0.2, aggregation="token-mean"),
     # Pass@k training with analytic advantages (Chen et al. 2025, arXiv 2508.10751); k = 4 of the default
