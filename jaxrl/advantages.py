@@ -51,7 +51,8 @@ class AdvantageConfig:
     """Which estimator `compute` runs, and its knobs (those of other estimators are ignored)."""
 
     # A registered estimator (jaxrl.registry kind `advantage`: grpo, rloo, reinforce_pp, remax, opo, gae, gtpo,
-    # grpo_s, and those of modules under `imports:`) or `module:function`.
+    # grpo_s; bnpo, psr, nsr, w_reinforce, passk, empg, seed_grpo of jaxrl.advantage_shaping; and those of
+    # modules under `imports:`) or `module:function`.
     estimator: str = "grpo"
     std_scope: StdScope = "group"  # grpo / per-component: divide by the group's std, the batch's, or not
     group_baseline: bool = True  # reinforce_pp: subtract the group mean before batch whitening
@@ -73,6 +74,14 @@ class AdvantageConfig:
     # rewards (needs the rollout's token_rewards and turn_ids; estimators registered with turn_credit=True).
     turn_credit: Literal["final", "discounted"] = "final"
     turn_gamma: float = dataclasses.field(default=1.0, metadata={"ge": 0, "le": 1})
+    # Issue 35, advantage and entropy methods (jaxrl.advantage_shaping); each used only by its estimator.
+    psr_weight: float = dataclasses.field(default=0.1, metadata={"ge": 0})  # w_reinforce: lambda on correct samples
+    passk_k: int = dataclasses.field(default=4, metadata={"ge": 1})  # passk: the k of pass@k (< group_size)
+    empg_k: float = dataclasses.field(default=1.0, metadata={"gt": 0})  # empg: scaling temperature k
+    empg_k_future: float = dataclasses.field(default=1.0, metadata={"gt": 0})  # empg: future-clarity k'
+    empg_zeta: float = dataclasses.field(default=0.1, metadata={"ge": 0})  # empg: future-clarity weight zeta
+    empg_steps: Literal["turns", "tokens"] = "turns"  # empg: a step is a model turn, or each model token
+    seed_alpha: float = dataclasses.field(default=1.0, metadata={"ge": 0, "le": 1})  # seed_grpo: alpha
 
 
 # --------------------------------------------------------------------------- helpers
@@ -554,6 +563,7 @@ class AdvantageInputs:
     token_penalty: jax.Array | None = None
     token_rewards: jax.Array | None = None
     turn_ids: jax.Array | None = None
+    answer_ids: jax.Array | None = None  # [B] int32: each sample's final-answer cluster in its group (seed_grpo)
 
 
 def _require(value, estimator: str, what: str):
@@ -699,6 +709,7 @@ def compute(
     token_penalty: jax.Array | None = None,
     token_rewards: jax.Array | None = None,
     turn_ids: jax.Array | None = None,
+    answer_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Token-level advantages `[B, N]` (and value targets `[B, N]` for gae, else None) for a rollout.
 
@@ -715,6 +726,8 @@ def compute(
         sequence's reward loses its masked sum; gtpo and grpo_s take none.
       token_rewards, turn_ids: `[B, N]` per-turn rewards and model-turn ids of multi-turn episodes, used
         with `config.turn_credit == "discounted"` (see the module docstring); ignored with "final".
+      answer_ids: `[B]` int32 cluster of each sample's extracted final answer within its group
+        (`advantage_shaping.answer_clusters`), for estimators registered with answers=True (seed_grpo).
 
     Returns:
       `(advantages [B, N], returns [B, N] | None)`, both times the mask; the entropy bonus
@@ -734,7 +747,8 @@ def compute(
                              component_weights=None if component_weights is None else tuple(component_weights),
                              token_penalty=penalty,
                              token_rewards=None if token_rewards is None else jnp.asarray(token_rewards, jnp.float32),
-                             turn_ids=None if turn_ids is None else jnp.asarray(turn_ids, jnp.int32))
+                             turn_ids=None if turn_ids is None else jnp.asarray(turn_ids, jnp.int32),
+                             answer_ids=None if answer_ids is None else jnp.asarray(answer_ids, jnp.int32))
     out = entry.fn(inputs=inputs, config=config)
     advantages, returns = out if isinstance(out, tuple) else (out, None)
     advantages = broadcast_to_tokens(jnp.asarray(advantages, jnp.float32), mask)
@@ -743,3 +757,8 @@ def compute(
         advantages = entropy_augmented(advantages, entropy, alpha=config.entropy_bonus_alpha,
                                        kappa=config.entropy_bonus_kappa) * mask
     return advantages, returns
+
+
+# The second wave's estimators (issue 35) live in their own module and register themselves on import; it
+# imports this one's helpers, so it is imported last.
+import jaxrl.advantage_shaping  # noqa: E402,F401

@@ -483,6 +483,11 @@ class Config:
                 f"(right or wrong): it cannot take shaped rewards (reward.format_weight, overlong_buffer, "
                 f"length_target) or a reward that is not registered as binary, such as the code reward's pass "
                 f"fraction (reward.function {self.reward.function!r})")
+        if self.rl.loss.needs_answers and not pieces["reward.function"].info.get("answers"):  # issue 35: seed_grpo
+            raise registry.RegistryError(
+                f"rl.loss.advantage.estimator: estimator {estimator!r} clusters each group by its extracted final "
+                f"answers; reward.function {self.reward.function!r} is not registered with answers=True (math "
+                "and arithmetic are)", field="rl.loss.advantage.estimator")
         self.check_self_rewards(pieces)
 
     def check_self_rewards(self, pieces: Mapping[str, registry.Entry]) -> None:

@@ -241,3 +241,14 @@ def prompt_is_question(prompt: str, completion: str, row: dict) -> float:
 def row_level(completion: str, row: dict) -> float:
     """The row's `level` field (whatever the completion): a per-item reward of the data row."""
     return float(row["level"])
+
+
+def length_parity_answers(completion: str, reference: str) -> float:
+    """`length_parity`, registered (below) as a right-or-wrong reward with extractable answers: the smoke
+    runs of the presets whose estimators need binary rewards or answer clusters (bnpo, passk, seed_grpo, ...)."""
+    return length_parity(completion, reference)
+
+
+from jaxrl import registry  # noqa: E402
+
+registry.register("reward", "test_length_parity_answers", binary=True, answers=True)(length_parity_answers)

@@ -498,7 +498,7 @@ def test_config_is_hashable_and_validates():
     assert hash(AdvantageConfig()) == hash(AdvantageConfig())
     needs = {name: registry.resolve("advantage", name, "x").needs for name in registry.names("advantage")}
     assert {name for name, n in needs.items() if "critic" in n} == {"gae"}
-    assert {name for name, n in needs.items() if "entropy" in n} == {"gtpo", "grpo_s"}
+    assert {name for name, n in needs.items() if "entropy" in n} == {"gtpo", "grpo_s", "empg"}
     assert {name for name, n in needs.items() if "greedy_rollouts" in n} == {"remax"}
     LossConfig(advantage=AdvantageConfig(per_component=True)).check_pieces()
     with pytest.raises(ValueError, match="per_component.*'grpo'.*'rloo'"):

@@ -112,12 +112,13 @@ def test_dumped_recipe_loads_back_and_takes_another_preset_like_the_recipe(tmp_p
     assert load_config(Config, dumped) == config
     for name in type(config.rl.loss).PRESETS:
         overrides = [f"rl.loss.preset={name}"] + (["rl.critic.model=policy_copy"] if name == "ppo" else [])
-        if name == "gpg" and "rl.loss.clip_eps_high=0.5" in changes:  # GPG has no ratio to clip: refused on both
-            for source, extra in ((dumped, []), (recipe, changes)):
-                with pytest.raises(ConfigError, match="rl.loss.clip_eps_high: objective 'gpg' has no ratio clip"):
-                    load_config(Config, source, extra + overrides)
+        try:
+            expected = load_config(Config, recipe, changes + overrides)
+        except ConfigError:  # a preset the recipe cannot take (e.g. binary-reward estimators, shaped rewards)
+            with pytest.raises(ConfigError):
+                load_config(Config, dumped, overrides)
             continue
-        assert load_config(Config, dumped, overrides) == load_config(Config, recipe, changes + overrides), name
+        assert load_config(Config, dumped, overrides) == expected, name
     gspo = load_config(Config, dumped, ["rl.loss.preset=gspo"]).rl.loss
     assert (gspo.ratio, gspo.clip_eps_low, gspo.aggregation) == ("sequence", 3e-4, "seq-mean-token-mean")
     assert gspo.clip_eps_high == (0.5 if "rl.loss.clip_eps_high=0.5" in changes else 4e-4)

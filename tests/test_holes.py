@@ -226,9 +226,13 @@ CASES = {
 NO_PENALTY = {"gtpo", "grpo_s"}
 
 
+# Issue 35's estimators (jaxrl.advantage_shaping): their hole checks are in test_advantages_wave2.py.
+WAVE2 = {"bnpo", "psr", "nsr", "w_reinforce", "passk", "empg", "seed_grpo"}
+
+
 def test_every_builtin_estimator_has_a_hole_reference():
     builtin = {n for n in registry.names("advantage") if registry.resolve("advantage", n, "x").builtin}
-    assert builtin <= set(CASES), sorted(builtin - set(CASES))
+    assert builtin <= set(CASES) | WAVE2, sorted(builtin - set(CASES) - WAVE2)
 
 
 def _compute(cfg, d, penalty=True, **extra):

@@ -196,6 +196,11 @@ def _run(tmp_path, monkeypatch, *overrides):
 
 PRESET_ARGS = {name: [f"rl.loss.preset={name}"] for name in losses.PRESETS}
 PRESET_ARGS["ppo"].append("rl.critic.model=policy_copy")
+for _name in ("bnpo", "w_reinforce", "passk", "seed_grpo"):  # binary rewards / answer clusters (issue 35)
+    PRESET_ARGS[_name].append("reward.function=reward_fns:length_parity_answers")
+PRESET_ARGS["passk"].append("rl.loss.advantage.passk_k=2")  # k < rl.group_size (4 here)
+# an untrained policy's samples share no answer: with alpha 1 every group's scale 1 - SE / log G would be 0
+PRESET_ARGS["seed_grpo"].append("rl.loss.advantage.seed_alpha=0.5")
 # In `make test`: the default (dapo), a KL to the reference (grpo), a critic (ppo), a sequence-level ratio (gspo)
 # and a masked, keyed batch (clip_cov). The others differ from these only in loss pieces that test_losses checks
 # one by one; they run in the slow suite (`make test-slow`).

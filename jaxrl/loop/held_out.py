@@ -129,7 +129,7 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
         local_votes = np.zeros((len(padded), len(e.pass_k)), bool)
         if with_answers:
             for p in range(real):
-                answers = [_answer_key(t) for t in texts[p * e.samples:(p + 1) * e.samples]]
+                answers = [rewards.answer_key(t) for t in texts[p * e.samples:(p + 1) * e.samples]]
                 local_votes[p] = [evaluation.majority_correct(answers[:k], local[p, :k]) for k in e.pass_k]
         all_correct, all_votes = gather((local, local_votes), generate.mesh)
         correct.append(all_correct[:len(chunk)])
@@ -140,10 +140,6 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
     metrics.update({"eval/samples": e.samples, "eval/temperature": e.temperature,
                     "eval/sampling/seconds": time.perf_counter() - start})
     return metrics
-
-
-def _answer_key(text: str) -> str | None:
-    return rewards.answer_key(text)  # the extracted, normalised answer: TTRL's vote too (rewards.self_rewarding)
 
 
 def final_evaluation(policy, generate: Generator, problems, evaluator: Evaluator, config: Config,

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxrl import losses, models, rewards
+from jaxrl.advantage_shaping import answer_clusters
 from jaxrl.checkpoint import Checkpointer, NonFiniteState
 from jaxrl.config import Config
 from jaxrl.data.batching import shuffled_batches
@@ -201,7 +202,7 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     t4 = time.perf_counter()
     logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
     train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step,
-                                               produced.generation.episodes)
+                                               produced.generation.episodes, seen.get("answer_ids"))
     log_samples(ctx, step, produced, composed, train_batch["advantages"])
     if ctx.background is not None and not flushes_after(config, step) and not ctx.preempted:
         # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
@@ -248,14 +249,17 @@ def batch_for_update(ctx: RLContext, s: LoopState, produced: RolloutResult) -> d
 def gathered_rewards(produced: RolloutResult, scored: rewards.RewardResult, config: Config,
                      component_weights: dict[str, float], mesh):
     """`(seen, scored, composed)` of the whole batch, on every process: `seen` holds the verifiable rewards
-    `correct [B]`, completion `length [B]`, `truncated [B]`, the shaping `components` and ReMax's `greedy`
-    baseline (when drawn); `scored` the gathered reward outcome; `composed` the shaped rewards."""
+    `correct [B]`, completion `length [B]`, `truncated [B]`, the shaping `components`, ReMax's `greedy`
+    baseline (when drawn) and SEED-GRPO's `answer_ids` (each sample's answer cluster in its group); `scored` the gathered reward outcome; `composed` the shaped rewards."""
     local = produced.generation.local
     composed = shaped_rewards(scored, produced.generation, config)
     seen = {"correct": scored.rewards, "length": local.completion_mask.sum(1),
             "truncated": local.finish_reason == FINISH_LENGTH, "components": composed.components}
     if produced.greedy_rewards is not None:
         seen["greedy"] = produced.greedy_rewards
+    if config.rl.loss.needs_answers:  # seed_grpo: each sample's answer cluster within its group
+        seen["answer_ids"] = answer_clusters([rewards.answer_key(t) for t in produced.generation.texts],
+                                             config.rl.group_size)
     seen = gather(seen, mesh)  # every process's rows, on every process
     scored = _gathered_result(scored, seen["correct"], mesh)
     return seen, scored, rewards.compose(seen["components"], component_weights)
@@ -273,7 +277,7 @@ def _gathered_result(local: rewards.RewardResult, all_rewards: np.ndarray, mesh)
 
 
 def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedRewards, greedy_rewards, step: int,
-                   episodes=None) -> tuple[dict, dict]:
+                   episodes=None, answer_ids=None) -> tuple[dict, dict]:
     """The update's batch: the rollout's arrays with `losses.prepare_batch`'s fields (advantages, ...) from
     the shaped rewards `[B]` and their components `[B, K]` (multi-turn: and the per-turn rewards of this
     process's `episodes`); and prepare_batch's metrics."""
@@ -290,7 +294,8 @@ def train_batch_of(ctx: RLContext, batch: dict, composed: rewards.ComposedReward
         entropy=batch.get("entropy"), ref_logp=batch.get("ref_logp"), sampler_logp=batch["sampler_logp"],
         values=batch.get("old_values"),
         greedy_rewards=None if greedy_rewards is None else shard_batch(greedy_rewards, mesh),
-        components=shard_batch(component_array, mesh), **turns)
+        components=shard_batch(component_array, mesh),
+        answer_ids=None if answer_ids is None else shard_batch(answer_ids, mesh), **turns)
     train_batch = {k: batch[k] for k in ("tokens", "prompt_valid", "old_logp", "ref_logp", "old_values")
                    if k in batch}
     train_batch.update(fields)

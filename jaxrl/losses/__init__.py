@@ -11,7 +11,12 @@
 | `compose` | `LossInputs`, `Controls`, terms (`policy_term`, `kl_term`, `entropy_term`, `kl_cov_term`, `drift_term`, `value_term`), `combine`, `build_loss` |
 | `batch` | `prepare_batch`: advantages, masks and weights of a whole rollout batch, before it is split (with GPG's `gpg_alpha`) |
 
-Advantage estimators live in `jaxrl.advantages`.
+Advantage estimators live in `jaxrl.advantages`; the second wave's (issue 35) in `jaxrl.advantage_shaping`,
+each selected by `rl.loss.advantage.estimator` or its preset: `bnpo` (preset `bnpo`), `psr` / `nsr` /
+`w_reinforce` (preset `w_reinforce`, `advantage.psr_weight`), `passk` (preset `passk`, `advantage.passk_k`),
+`empg` (preset `empg`, `advantage.empg_k` / `empg_k_future` / `empg_zeta` / `empg_steps`) and `seed_grpo`
+(preset `seed_grpo`, `advantage.seed_alpha`). The entropy-advantage term of "Reasoning with Exploration"
+(arXiv 2506.14758) is `advantage.entropy_bonus_alpha` / `entropy_bonus_kappa` on any estimator.
 """
 
 from jaxrl.losses.aggregation import (AGGREGATIONS, Normalizers, aggregate, mean_over_updates, normalizers,

@@ -43,7 +43,8 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
                   sampler_logp: jax.Array | None = None, values: jax.Array | None = None,
                   greedy_rewards: jax.Array | None = None, components: jax.Array | None = None,
                   component_weights: tuple[float, ...] | None = None, token_rewards: jax.Array | None = None,
-                  turn_ids: jax.Array | None = None) -> tuple[dict[str, jax.Array], dict]:
+                  turn_ids: jax.Array | None = None, answer_ids: jax.Array | None = None
+                  ) -> tuple[dict[str, jax.Array], dict]:
     """Advantages, masks and weights of a rollout batch.
 
     Args:
@@ -57,6 +58,8 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
       token_rewards, turn_ids: `[B, N]` (float32, int32) each turn's reward on its last model token and the
         model turn of each token (-1 on observation tokens and padding), for multi-turn episodes; used by
         `rl.loss.advantage.turn_credit: discounted` (`jaxrl.advantages.turn_returns`).
+      answer_ids: `[B]` int32, each sample's final-answer cluster in its group (estimators registered with
+        answers=True: seed_grpo).
       key: PRNG key (Clip-Cov's random selection).
 
     Returns:
@@ -83,7 +86,7 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
     advantages, returns = adv.compute(config.advantage, rewards, mask, group_size, entropy=entropy,
                                       values=values, greedy_rewards=greedy_rewards, components=components,
                                       component_weights=component_weights, token_penalty=token_penalty,
-                                      token_rewards=token_rewards, turn_ids=turn_ids)
+                                      token_rewards=token_rewards, turn_ids=turn_ids, answer_ids=answer_ids)
     if config.gpg_correction:  # issue 35: GPG's alpha, a whole-batch count (before the batch is split)
         advantages, metrics["gpg_alpha"] = gpg_alpha(advantages, loss_mask)
     fields = {"advantages": advantages, "loss_mask": loss_mask}

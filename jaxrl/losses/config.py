@@ -23,7 +23,9 @@ from jaxrl.losses.regularizers import K1_AS_LOSS, KLEstimator
 
 Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
                  "kl_cov",
-                 "gpg", "bapo", "dcpo", "aspo", "cpgd"]  # issue 35, policy updates (jaxrl.losses.updates)
+                 "gpg", "bapo", "dcpo", "aspo", "cpgd",  # issue 35, policy updates (jaxrl.losses.updates)
+                 # issue 35, advantage and entropy methods (jaxrl.advantage_shaping)
+                 "bnpo", "w_reinforce", "passk", "empg", "seed_grpo"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (Shao et al. 2024, arXiv 2402.03300): group-normalised advantages, sequence-mean loss,
@@ -80,6 +82,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPGD (Liu et al. 2025, arXiv 2505.12504): clipped log-ratio policy gradient, eps 0.2, plus the policy drift
     # KL(pi_old || pi) with coefficient 0.1 (our setting: the paper's value was not checked), token-mean.
     "cpgd": dict(objective="cpgd", clip_eps_low=0.2, clip_eps_high=0.2, drift_coef=0.1, aggregation="token-mean"),
+    # Issue 35, advantage and entropy methods (estimators of jaxrl.advantage_shaping). Where a paper states no
+    # clip or aggregation of its own, the PPO clip 0.2 / 0.2 and token-mean of verl, which the papers built on.
+    # BNPO (Xiao et al. 2025, arXiv 2506.02864): Beta-density-normalised group advantages; binary rewards.
+    "bnpo": dict(advantage={"estimator": "bnpo"}, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="token-mean"),
+    # W-REINFORCE (Zhu et al. 2025, arXiv 2506.01347): +lambda on correct, -1 on wrong samples, no baseline, no
+    # KL (kl_coef 0 in the authors' run scripts); lambda = 0.1, the W-REINFORCE weight of those scripts
+    # (github.com/TianHongZXY/RLVR-Decomposed). PSR / NSR alone: rl.loss.advantage.estimator=psr / nsr.
+    "w_reinforce": dict(advantage={"estimator": "w_reinforce", "psr_weight": 0.1}, clip_eps_low=0.2,
+                        clip_eps_high=0.2, aggregation="token-mean"),
+    # Pass@k training with analytic advantages (Chen et al. 2025, arXiv 2508.10751); k = 4 of the default
+    # recipe's 8 samples per prompt (our choice; k must be below rl.group_size).
+    "passk": dict(advantage={"estimator": "passk", "passk_k": 4}, clip_eps_low=0.2, clip_eps_high=0.2,
+                  aggregation="token-mean"),
+    # EMPG (Wang et al. 2025, arXiv 2509.09265) on DAPO's clip-higher and token-mean (the paper applies it to
+    # GRPO and DAPO); k = k' = 1, zeta = 0.1 as the project page's reference pseudocode. A single-turn
+    # completion is one step; rl.loss.advantage.empg_steps=tokens makes each token a step (our extension).
+    "empg": dict(advantage={"estimator": "empg", "empg_k": 1.0, "empg_k_future": 1.0, "empg_zeta": 0.1},
+                 clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token-mean"),
+    # SEED-GRPO (Chen et al. 2025, arXiv 2505.12346): GRPO advantages times 1 - alpha * SE / log G, SE the
+    # semantic entropy of the group's extracted answers; alpha = 1 (our choice). Needs a reward registered
+    # with answers=True (math, arithmetic).
+    "seed_grpo": dict(advantage={"estimator": "seed_grpo", "seed_alpha": 1.0}, clip_eps_low=0.2,
+                      clip_eps_high=0.2, aggregation="token-mean"),
 }
 assert set(PRESETS) == set(get_args(Preset))
 
@@ -269,6 +294,13 @@ class LossConfig:
         a = self.advantage
         return (self.top_entropy_fraction is not None or a.entropy_bonus_alpha > 0
                 or "entropy" in self.estimator_needs)
+
+    @property
+    def needs_answers(self) -> bool:
+        """The advantage estimator needs each sample's extracted-answer cluster (registered with answers=True:
+        seed_grpo)."""
+        return bool(registry.resolve("advantage", self.advantage.estimator,
+                                     "rl.loss.advantage.estimator").info.get("answers"))
 
     @property
     def estimator_needs(self) -> frozenset[str]:

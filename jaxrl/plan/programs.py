@@ -390,6 +390,7 @@ def _train_batch(config: Config, mesh, rows: int, prompt_len: int, new: int, wit
                   ref_logp=per_token if loss_config.needs_ref_logp else None,
                   values=per_token if with_critic else None,
                   greedy_rewards=per_row if "greedy_rollouts" in loss_config.estimator_needs else None,
+                  answer_ids=_rows(mesh, (rows,), jnp.int32) if loss_config.needs_answers else None,
                   components=_rows(mesh, (rows, len(weights)), jnp.float32))
     fields, _ = jax.eval_shape(lambda kw: prepare(**kw), inputs)
     batch = {"tokens": tokens, "prompt_valid": _rows(mesh, (rows, prompt_len), jnp.bool_), "old_logp": per_token}
