@@ -240,6 +240,7 @@ def test_refilled_slots_give_the_tokens_and_log_probs_of_one_program(refills, se
         assert len(set(lengths.tolist())) >= 2
 
 
+@pytest.mark.slow  # about a minute; the compacted decode's bound test above runs in `make test`
 def test_refilled_compiles_stay_bounded_over_60_calls_of_random_lengths():
     config_model = dataclasses.replace(CONFIG, num_layers=1)
     policy = models.init(config_model, 0)
