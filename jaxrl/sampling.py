@@ -80,7 +80,9 @@ class SamplingConfig:
     # batch waits in line: after each segment, the slots of finished rows are refilled with waiting rows
     # (continuous batching), so a few long completions no longer hold a whole batch, and the own KV cache
     # holds `live_rows` rows, not the batch. Same tokens and log-probs as decoding the batch at once. None: the
-    # whole batch at once. The single program (compaction off, inside a jit, multi-process) ignores it.
+    # whole batch at once. The single program (compaction off, inside a jit, multi-process) ignores it. Not faster
+    # than compaction alone on the 2-core CPU (0.95x: dense attention reads every row's whole own cache,
+    # benchmarks/RESULTS.md issue 36); it bounds the cache's memory.
     live_rows: int | None = dataclasses.field(default=None, metadata={"gt": 0})
 
     def __post_init__(self):

@@ -210,11 +210,13 @@ def refills(monkeypatch):
 
 @pytest.mark.parametrize("settings, group_size, live_rows, extra", [
     (dict(), 4, 8, {}),
-    (dict(temperature=0.0), 2, 4, {}),  # greedy: every row runs to max_new_tokens (finish "length")
+    # greedy: every row runs to max_new_tokens (finish "length")
+    pytest.param(dict(temperature=0.0), 2, 4, {}, marks=pytest.mark.slow),
     # 5 live rows: groups split over slots; some rows reach max_new_tokens
     (dict(policy_logp=True, top_k=8, top_p=0.9, temperature=0.8, batch_buckets=(2, 5)), 4, 5,
      dict(temperature=jnp.float32(1.3))),
-    (dict(kv_cache_dtype="int8", compaction_segments=6), 3, 6, dict(stop_sequences=((7, 8), (9,)))),
+    pytest.param(dict(kv_cache_dtype="int8", compaction_segments=6), 3, 6, dict(stop_sequences=((7, 8), (9,))),
+                 marks=pytest.mark.slow),
 ])
 def test_refilled_slots_give_the_tokens_and_log_probs_of_one_program(refills, settings, group_size, live_rows,
                                                                       extra):

@@ -53,7 +53,7 @@ def test_default_recipe_loads_and_overrides_apply():
         ("", ["rl.loss.advantage.estimator=ppo"], ["rl.loss.advantage.estimator", "'gae'", "'rloo'", "'grpo_s'"]),
         ("", ["rl.loss.advantage.estimator=gae"],
          ["estimator 'gae' needs a critic", "critic.model to 'policy_copy'",
-          "bnpo, empg, grpo, grpo_s, gtpo, nsr, opo, passk, psr, reinforce_pp, remax, rloo, seed_grpo, w_reinforce"]),
+          "bnpo, empg, grpo, grpo_s, gtpo, nsr, opo, passk, psr, reinforce_pp, remax, rloo, seed_grpo"]),
         ("", ["rl.loss.preset=ppo"], ["estimator 'gae' needs a critic"]),
         ("", ["rl.critic.model=policy_copy"], ["advantage estimator 'grpo' does not use values", "gae"]),
         ("", ["rl.critic.model=value_head"], ["rl.critic.model", "'policy_copy'"]),

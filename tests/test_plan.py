@@ -99,6 +99,7 @@ def test_3d_v5p_topology_with_every_axis_split(capsys):
     assert plan["fits"]
 
 
+@pytest.mark.slow  # 31 s: `make test` had reached its 15 minutes; `make test-slow` runs it
 def test_a_plan_that_does_not_fit_is_refused_with_a_checked_change():
     """On a chip just too small for the train step's activations, the cheapest change that fits (more
     micro-batches or remat) is found and checked by planning the train step again with it."""

@@ -113,7 +113,9 @@ def _interrupted(out, sig, after_step: int, *extra):
     return process
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+# The overlapped variant (38 s) runs in the slow suite (`make test-slow`): `make test` had reached its 15 minutes.
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["synchronous", "overlap"])
 def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, overlap):
     """Killed after the checkpoint of step k = 4: resumed, its state at 2k = 8 and at 12 equals the
     uninterrupted run's bit for bit, and so do its metrics (but for the number of compiled programs, which a
