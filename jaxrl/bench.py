@@ -65,13 +65,21 @@ def ragged_lengths(count: int, max_new_tokens: int, seed: int = 0, median_fracti
     return np.clip(lengths, 1, max_new_tokens).astype(np.int32)
 
 
-def _model_config(model: Any):
+def _model_config(model: Any, dtype: str | None = None):
+    """`(name, models.ModelConfig)` of a preset name or a config; `dtype` (e.g. "bfloat16") stores and computes the
+    weights in that dtype instead of the preset's."""
+    import dataclasses
+
     from jaxrl import models
     if isinstance(model, models.ModelConfig):
-        return "custom", model
-    if model not in models.PRESETS:
+        name, config = "custom", model
+    elif model not in models.PRESETS:
         raise ValueError(f"unknown model preset {model!r}; choose from {sorted(models.PRESETS)}")
-    return model, models.PRESETS[model]
+    else:
+        name, config = model, models.PRESETS[model]
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    return name, config
 
 
 def _peak_memory() -> tuple[int, str]:
@@ -133,11 +141,7 @@ def bench_sample(model: Any = "bench-small", prompts: int = 8, prompt_len: int =
                         ("new_tokens", new_tokens), ("repeats", repeats)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    model_name, config = _model_config(model)
-    if dtype is not None:
-        import dataclasses
-
-        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    model_name, config = _model_config(model, dtype)
     shared = prefix_sharing
     overrides = {"kv_cache_dtype": kv_cache_dtype}
     if decode_segments is not None:
@@ -580,11 +584,7 @@ def compare_compaction(rounds: int = 3, **kwargs) -> dict:
     on = bench_sample(**kwargs, compaction=True)
     calls = {}
     for mode in (False, True):  # the programs bench_sample compiled: nothing compiles here
-        model_name, config = _model_config(kwargs.get("model", "bench-small"))
-        if kwargs.get("dtype") is not None:
-            import dataclasses
-
-            config = dataclasses.replace(config, dtype=kwargs["dtype"], param_dtype=kwargs["dtype"])
+        model_name, config = _model_config(kwargs.get("model", "bench-small"), kwargs.get("dtype"))
         new_tokens, seed = kwargs.get("new_tokens", 128), kwargs.get("seed", 0)
         sequences = kwargs.get("prompts", 8) * kwargs.get("group", 8)
         forced = ragged_lengths(sequences, new_tokens, seed) if kwargs.get("lengths") == "ragged" else None
@@ -632,11 +632,7 @@ def compare_refill(live_rows: int, rounds: int = 2, model: Any = "bench-small", 
         raise ValueError(f"prompts * group = {prompts * group} rows must exceed live_rows={live_rows}: nothing waits")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    model_name, config = _model_config(model)
-    if dtype is not None:
-        import dataclasses
-
-        config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    model_name, config = _model_config(model, dtype)
     sequences = prompts * group
     forced = (ragged_lengths(sequences, new_tokens, seed) if lengths == "ragged"
               else np.full(sequences, new_tokens, np.int32))
