@@ -18,6 +18,7 @@ from jaxrl.envs.config import EnvConfig
 from jaxrl.losses import LossConfig
 from jaxrl.sampling import SamplingConfig
 from jaxrl.models.configs import ModelConfig
+from jaxrl.models.lora import PROJECTIONS
 
 
 def _field(default, **constraints):
@@ -120,6 +121,25 @@ class PackingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the frozen policy RL starts from (`jaxrl.models.lora`, through qwix): only the adapters
+    are trained, get optimizer state and are checkpointed; the base, with the adapters off, is the KL reference.
+    `quantize` stores the frozen base's projections in int8 or 4 bits (QLoRA); adapters and activations keep
+    the compute dtype."""
+
+    enabled: bool = False
+    rank: int = _field(8, gt=0)
+    alpha: float = _field(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
+    # Only 0: dropout in the update would make the PPO ratio noisy even where the parameters have not moved
+    # (the rollout's log-probs are computed without it).
+    dropout: float = _field(0.0, ge=0, lt=1)
+    # Regular expressions, each matching a projection's name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj) or its path (layers/0/self_attn/q_proj); a pattern that matches nothing is an error.
+    targets: tuple[str, ...] = PROJECTIONS
+    quantize: Literal["int8", "int4", "nf4"] | None = None  # the frozen base's weights (QLoRA); None: as loaded
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches` optimizer
     steps per batch, each accumulated over `micro_batches`; the objective is `loss` (see jaxrl.losses)."""
@@ -148,6 +168,7 @@ class RLConfig:
     critic: CriticConfig = _section(CriticConfig)
     optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
     packing: PackingConfig = _section(PackingConfig)
+    lora: LoraConfig = _section(LoraConfig)
 
     def validate(self) -> None:
         if self.sampling.temperature <= 0:
@@ -163,6 +184,15 @@ class RLConfig:
         if packing.row_tokens and packing.micro_batch_tokens and packing.micro_batch_tokens < packing.row_tokens:
             raise ValueError(f"packing.micro_batch_tokens ({packing.micro_batch_tokens}) is smaller than one row "
                              f"(packing.row_tokens = {packing.row_tokens})")
+        if self.lora.enabled and self.lora.dropout:
+            raise ValueError(f"lora.dropout is {self.lora.dropout}; only 0 is supported: the PPO ratio compares the "
+                             "update's log-probs with the rollout's, which dropout would make differ even where the "
+                             "parameters have not moved")
+        if self.lora.enabled and self.critic.model == "policy_copy":
+            raise ValueError("lora.enabled with critic.model 'policy_copy': a critic on the policy's trunk would need "
+                             "adapters of its own on the same frozen base, which is not supported; use critic.model "
+                             "'separate' (a full value network of its own, from critic.checkpoint) or an estimator "
+                             "without a critic (critic.model 'none')")
         if (self.critic.model == "separate") != bool(self.critic.checkpoint):
             raise ValueError("critic.model 'separate' loads its network from critic.checkpoint (and only it does): "
                              f"got critic.model={self.critic.model!r}, critic.checkpoint={self.critic.checkpoint!r}")

@@ -30,7 +30,7 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]  # (logical name, mesh axes it i
 
 # Names of parameter dimensions. `heads` / `kv_heads` / `mlp` label the flattened `heads * head_dim` and
 # intermediate dimensions of the HF `[out, in]` weight layout.
-PARAM_AXES = ("embed", "vocab", "heads", "kv_heads", "mlp", "norm")
+PARAM_AXES = ("embed", "vocab", "heads", "kv_heads", "mlp", "norm", "lora_rank")
 # Axes counting attention heads: `[heads]` in activations and KV caches, `[heads * head_dim]` in weights.
 HEAD_AXES = ("heads", "kv_heads")
 # Names of activation dimensions: `[batch, seq, activation_embed]` hidden states, `[batch, seq, heads,
@@ -46,6 +46,7 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", ("tensor",)),
     ("mlp", ("tensor",)),
     ("norm", ()),
+    ("lora_rank", ()),
     ("seq", ()),
     ("activation_embed", ()),
     ("head_dim", ()),
@@ -100,6 +101,14 @@ def param_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     names = [str(n) for n in names]
     if names and names[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
         names = names[:-1]  # an nnx.Variable's array
+    if len(names) >= 4 and names[-3:-1] == ["weight", "array"] and names[-1] in ("qvalue", "scale", "zero_point"):
+        # a qwix-quantized base weight (`models.lora`): values `[out, in]`, scales `[out, 1]` (int8) or `[out, in / 64]` (4-bit)
+        out_axis = _WEIGHT_AXES[(names[-4], "weight")][0]
+        axes = (out_axis, _WEIGHT_AXES[(names[-4], "weight")][1] if names[-1] == "qvalue" else None)
+        return axes
+    if len(names) >= 2 and names[-1] in ("weight_lora_a", "weight_lora_b"):  # LoRA: A [in, rank], B [rank, out]
+        inputs, outputs = _WEIGHT_AXES[(names[-2], "weight")][::-1]
+        return (inputs, "lora_rank") if names[-1] == "weight_lora_a" else ("lora_rank", outputs)
     if len(names) >= 2 and (names[-2], names[-1]) in _WEIGHT_AXES:
         axes = _WEIGHT_AXES[(names[-2], names[-1])]
     elif any("norm" in n for n in names[-2:]):

@@ -152,8 +152,10 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x `[..., in]` -> `[..., out]`. Callers pass 2-D `[tokens, in]`: XLA:CPU runs their weight
         gradients much faster than those of 3-D operands."""
-        y = jax.lax.dot_general(x.astype(self.dtype), self.weight[...].astype(self.dtype),
-                                (((x.ndim - 1,), (1,)), ((), ())))
+        weight = self.weight[...]
+        if weight.dtype != self.dtype:  # (qwix's quantized base weights are held in the compute dtype already)
+            weight = weight.astype(self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())))
         if hasattr(self, "bias"):
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -392,6 +394,9 @@ class Policy:
     params: nnx.State
     # Mesh and logical-axis rules the params are placed by (`shard`); None: wherever they are, XLA decides.
     layout: Layout | None = struct.field(pytree_node=False, default=None)
+    # With LoRA adapters (`models.lora`): the frozen base, while `params` are the adapters alone. Traced but
+    # never differentiated, updated or checkpointed with the params. None: every parameter is in `params`.
+    frozen: nnx.State | None = None
 
 
 def init(config: ModelConfig, seed: int | jax.Array) -> Policy:
@@ -411,6 +416,9 @@ def abstract(config: ModelConfig) -> Policy:
 def replace_config(policy: Policy, **changes) -> Policy:
     """The policy with config fields changed that leave its parameters as they are (`attention_impl`, the
     compute `dtype`, ...): the modules are rebuilt from the new config, the parameters reused."""
+    if policy.frozen is not None:
+        raise ValueError(f"cannot change {', '.join(changes)} of a policy with LoRA adapters: change the base's "
+                         "config before adding them (models.lora.add_adapters)")
     config = dataclasses.replace(policy.config, **changes)
     rebuilt = abstract(config)
     if jax.tree.structure(rebuilt.params) != jax.tree.structure(policy.params) or any(
@@ -424,8 +432,9 @@ def shard(policy: Policy, layout: Layout) -> Policy:
     tensor parallelism over heads, MLP columns and vocabulary with the default rules), and the layout kept so
     that jitted functions constrain activations, KV caches and gradients to match."""
     layout = layout.for_model(policy.config)  # weights split whole heads, as their activations and KV cache
+    frozen = None if policy.frozen is None else jax.device_put(policy.frozen, layout.param_shardings(policy.frozen))
     return policy.replace(params=jax.device_put(policy.params, layout.param_shardings(policy.params)),
-                          layout=layout)
+                          layout=layout, frozen=frozen)
 
 
 def apply(
@@ -463,13 +472,19 @@ def apply(
     Returns:
       `(hidden [batch, seq, hidden_size], updated cache or None)`.
     """
-    model = nnx.merge(policy.graphdef, policy.params)
-    return model(tokens, positions, key_valid, cache, cache_index, policy.layout, max_segments)
+    return module(policy)(tokens, positions, key_valid, cache, cache_index, policy.layout, max_segments)
+
+
+def module(policy: Policy) -> Transformer:
+    """The policy's parameters (and frozen base) merged into its module, for one traced call."""
+    if policy.frozen is None:
+        return nnx.merge(policy.graphdef, policy.params)
+    return nnx.merge(policy.graphdef, policy.params, policy.frozen)
 
 
 def unembedding(policy: Policy) -> jax.Array:
     """`[vocab, hidden]` output projection of the policy head."""
-    return nnx.merge(policy.graphdef, policy.params).unembedding()
+    return module(policy).unembedding()
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
