@@ -448,7 +448,11 @@ def gathered_weights(policy: Policy) -> Policy:
         x = x.astype(sampling_dtype(path, x, policy.config.dtype))
         return jax.lax.with_sharding_constraint(x, gathered.param_sharding(path, x.shape))
 
-    return policy.replace(params=jax.tree_util.tree_map_with_path(place, policy.params))
+    def place_frozen(path, x):  # a LoRA base as it is held (a quantized one keeps its integer values)
+        return jax.lax.with_sharding_constraint(x, gathered.param_sharding(path, x.shape))
+
+    frozen = None if policy.frozen is None else jax.tree_util.tree_map_with_path(place_frozen, policy.frozen)
+    return policy.replace(params=jax.tree_util.tree_map_with_path(place, policy.params), frozen=frozen)
 
 
 class _Decode(NamedTuple):

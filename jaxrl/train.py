@@ -105,6 +105,12 @@ def init_critic(policy: Policy) -> Critic:
                   policy.layout)
 
 
+def copy_policy(policy: Policy) -> Policy:
+    """`policy` with its trainable parameters copied (`copy_arrays`), a frozen LoRA base (`Policy.frozen`) shared:
+    the base is never donated (`make_rl_step`), and a copy of it would be a second model in memory."""
+    return policy.replace(params=copy_arrays(policy.params))
+
+
 def copy_arrays(tree: Any) -> Any:
     """`tree` with every array copied to new buffers of the same sharding: a pytree that must outlive a donating
     step (`donate=True`) while sharing arrays with the state it is given, such as a frozen reference policy."""
@@ -549,7 +555,12 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
     gradients = make_rl_gradients(loss, micro_batches=micro_batches, norm_length=norm_length, full_kl=full_kl)
 
     @functools.partial(jax.jit, donate_argnames=("state",) if donate else ())
-    def rl_step(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
+    def rl_step(state: TrainState, frozen, batch: Batch, controls: Controls, ref_policy: Policy | None = None):
+        state = state.replace(policy=state.policy.replace(frozen=frozen))
+        state, metrics = _rl_step(state, batch, controls, ref_policy)
+        return state.replace(policy=state.policy.replace(frozen=None)), metrics
+
+    def _rl_step(state: TrainState, batch: Batch, controls: Controls, ref_policy: Policy | None):
         grads, metrics = gradients(state, batch, controls, ref_policy)
         metrics["grad_norm"] = optax.tree.norm(grads["policy"])
         finite = jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(metrics.get("loss", 0.0))
@@ -567,4 +578,39 @@ def make_rl_step(optimizer: optax.GradientTransformation, loss: Term, *, micro_b
         metrics["nonfinite_update"] = (finite & ~applied).astype(jnp.float32)
         return state, metrics
 
-    return rl_step
+    return FrozenAside(rl_step)
+
+
+class FrozenAside:
+    """`step(state, *args)` for a jitted `fn(state, frozen, *args)`: an adapted policy's frozen base
+    (`Policy.frozen`, `models.lora`) goes in as an argument of its own, so that donating the state donates the
+    adapters and their optimizer state but never the base, which the reference policy and the caller share.
+    `lower(state, *args)` lowers the same way; its `compile()` is called like the step."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, state: TrainState, *args):
+        new, metrics = self.fn(*_frozen_aside(state), *args)
+        return new.replace(policy=new.policy.replace(frozen=state.policy.frozen)), metrics
+
+    def lower(self, state: TrainState, *args) -> "_LoweredAside":
+        return _LoweredAside(self.fn.lower(*_frozen_aside(state), *args))
+
+    def __getattr__(self, name):  # a compiled step's memory_analysis, cost_analysis, as_text, ...
+        return getattr(self.fn, name)
+
+
+def _frozen_aside(state: TrainState) -> tuple[TrainState, Any]:
+    return state.replace(policy=state.policy.replace(frozen=None)), state.policy.frozen
+
+
+class _LoweredAside:
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self) -> FrozenAside:
+        return FrozenAside(self.lowered.compile())
+
+    def __getattr__(self, name):
+        return getattr(self.lowered, name)

@@ -17,6 +17,7 @@ weights (the merged HF export).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -100,11 +101,11 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
         raise ValueError("the policy already has adapters")
     targets = target_paths(policy.config, spec.targets)
     rules = [qwix.LoraRule(module_path=_union(targets), rank=spec.rank, alpha=float(spec.alpha),
-                           weight_qtype=spec.quantize, tile_size=_tile_size(spec.quantize))]
+                           weight_qtype=spec.quantize, tile_size=_tile_size(spec.quantize, policy.config))]
     others = [p for p in projection_paths(policy.config) if p not in targets]
     if spec.quantize is not None and others:  # QLoRA keeps every projection of the base quantized
         rules.append(qwix.QuantizationRule(module_path=_union(others), weight_qtype=spec.quantize,
-                                           tile_size=_tile_size(spec.quantize)))
+                                           tile_size=_tile_size(spec.quantize, policy.config)))
     model = nnx.merge(policy.graphdef, policy.params)
     if spec.quantize is not None:  # qwix quantizes weights in their compute dtype (its astype takes no QArray)
         compute = jnp.dtype(policy.config.dtype)
@@ -120,8 +121,12 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
     return Policy(graphdef, policy.config, adapters, policy.layout, frozen)
 
 
-def _tile_size(quantize: str | None) -> int | None:
-    return QUANT_GROUP if quantize in ("int4", "nf4") else None
+def _tile_size(quantize: str | None, config) -> int | None:
+    """Inputs per scale: one scale per output channel for int8; for 4 bits, groups of `QUANT_GROUP` inputs, or
+    of the largest size that divides every projection's inputs when that does not."""
+    if quantize not in ("int4", "nf4"):
+        return None
+    return math.gcd(QUANT_GROUP, config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
 
 
 def adapters_off(policy: Policy) -> Policy:

@@ -19,7 +19,7 @@ from jaxrl.config import Config
 from jaxrl.errors import RunConfigError
 from jaxrl.envs.pool import EnvPool
 from jaxrl.extras import check_extras
-from jaxrl.loop import held_out, outputs, progress, resume, rl, setup
+from jaxrl.loop import adapters, held_out, outputs, progress, resume, rl, setup
 from jaxrl.loop.episodes import EpisodeGenerator
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.warm_start import warm_start
@@ -80,6 +80,9 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
             ready = dataclasses.replace(ready, generate=EpisodeGenerator(ready.generate, resources.env_pool,
                                                                          config.env))
         policy, before = warm_start_and_evaluate(config, ready, resources, times)
+        if config.rl.lora.enabled and ready.resume_step is None:  # (a resumed run's policy is adapted already)
+            policy = adapters.start(config, policy, setup.hf_files(config.pretrained.path)
+                                    if config.pretrained.path else None)
         t0 = time.perf_counter()
         state, _, totals = rl.train(policy, config, (ready.train_problems, ready.eval_problems), ready.generate,
                                     resources, ready.resume_step, ready.resumed, ready.critic_trunk)
@@ -153,6 +156,8 @@ def restore_run(config: Config, ready: Prepared) -> None:
     """Open the run's checkpoints and restore the newest intact one into `ready` (with the evaluation its
     warm start recorded); the checkpointer is closed again if that fails."""
     checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"), keep=config.checkpoint.keep)
+    if config.rl.lora.enabled:  # the adapters the checkpoint restores, on the base they were trained on
+        ready.policy = adapters.adapt(config, adapters.resume_base(config, ready.policy))
     state, controls = setup.rl_start(config, ready.policy, ready.critic_trunk)
     keep_ref = config.rl.loss.needs_ref_logp or config.rl.loss.needs_full_kl
     try:

@@ -34,13 +34,14 @@ from jaxrl.loop.generate import Generator
 from jaxrl.loop.rollout import (RolloutResult, Sampler, rollout_batch, sample_rollout, score_rollout,
                                 shaped_rewards)
 from jaxrl.metrics import MetricsWriter
+from jaxrl.models import lora
 from jaxrl.packing import host_rows
 from jaxrl.rewards.scoring import RewardScorer
 from jaxrl.samples import SampleLog, sequence_advantages
 from jaxrl.sampling import FINISH_LENGTH, compiled_programs
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, process_local, process_max,
                             process_rows, shard_batch)
-from jaxrl.train import TrainState, copy_arrays
+from jaxrl.train import TrainState, copy_policy
 
 log = logging.getLogger("jaxrl")
 
@@ -149,7 +150,10 @@ def initial_loop_state(config: Config, warm_policy, train_problems, mesh, resume
     keep_ref = rl.loss.needs_ref_logp or rl.loss.needs_full_kl
     if resumed is None:
         state, controls = setup.rl_start(config, warm_policy, critic_trunk)
-        ref_policy, metadata = copy_arrays(warm_policy) if keep_ref else None, {}
+        ref_policy = None
+        if keep_ref:  # the warm start; with LoRA, its base with the adapters off (no second copy of the model)
+            ref_policy = lora.adapters_off(warm_policy) if lora.is_adapted(warm_policy) else copy_policy(warm_policy)
+        metadata = {}
     else:
         state, controls, ref_policy, metadata = resumed
     shard, shards = data_shard(mesh)  # rl.prompts_per_step splits over them: check_batch_sizes
@@ -218,7 +222,7 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
         record["train/critic_warmup"] = 1.0
     s = dataclasses.replace(s, train=state)
     if ctx.keep_ref and rl.ref_reset_every and step % rl.ref_reset_every == 0:
-        s = dataclasses.replace(s, ref_policy=copy_arrays(state.policy))  # KL now pulls towards the current policy
+        s = dataclasses.replace(s, ref_policy=copy_policy(state.policy))  # KL now pulls towards the current policy
     t5 = time.perf_counter()
     s = after_update(s, metrics, scored, config, step)
     record.update(step_record(s.controls, scored, composed, metrics, prep_metrics, seen, produced, rl.group_size))

@@ -1,0 +1,133 @@
+"""LoRA in a run (`rl.lora`): the policy RL starts from becomes the frozen base of adapters (`models.lora`).
+
+A fresh run adapts the warm-started policy and records which base it is (`lora_base.json`: its name and a
+fingerprint of its weights). When that base exists only in this run (a warm start, or a random init), it is
+saved once as an HF directory `<output_dir>/lora_base`, since the checkpoints hold only the adapters. A resumed
+run loads the base again (from there, or from `pretrained.path`), refuses one whose fingerprint differs, and
+adds the adapters that the checkpoint then restores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl import models
+from jaxrl.config import Config
+from jaxrl.models import lora
+from jaxrl.models.hf import CheckpointError
+from jaxrl.policy_io import load_policy
+from jaxrl.sharding import allgather, is_primary, wait_for_all_processes
+
+log = logging.getLogger("jaxrl")
+
+BASE_DIR = "lora_base"  # <output_dir>/lora_base: the base of a run whose base is not a file of its own
+BASE_RECORD = "lora_base.json"  # <output_dir>/lora_base.json: {"name", "fingerprint", "saved"}
+
+
+def spec_of(config: Config) -> lora.LoraSpec:
+    """The adapters `config.rl.lora` asks for."""
+    settings = config.rl.lora
+    return lora.LoraSpec(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets),
+                         quantize=settings.quantize)
+
+
+def adapt(config: Config, base: models.Policy) -> models.Policy:
+    """`base` with the adapters of `config.rl.lora` (initialised from `config.seed`), placed by its layout. A
+    target pattern that matches nothing raises a `ValueError` naming `rl.lora.targets`."""
+    try:
+        adapted = lora.add_adapters(base, spec_of(config), config.seed)
+    except ValueError as e:
+        raise ValueError(f"rl.lora.targets: {e}") from None
+    if base.layout is not None:
+        adapted = models.shard(adapted, base.layout)
+    trainable, frozen = lora.count(adapted.params), lora.count(base.params)
+    log.info("LoRA rank %d (alpha %g) on %d projections: %d trainable parameters over a frozen base of %d%s",
+             config.rl.lora.rank, config.rl.lora.alpha, len(lora.adapter_weights(adapted)), trainable, frozen,
+             f" (stored as {config.rl.lora.quantize})" if config.rl.lora.quantize else "")
+    return adapted
+
+
+def base_name(config: Config) -> str:
+    """How the run names its base: the pretrained checkpoint as loaded, or this run's saved copy."""
+    if config.pretrained.path is not None and config.sft.steps == 0:
+        return config.pretrained.path
+    return os.path.join(config.output_dir, BASE_DIR)
+
+
+def fingerprint(policy: models.Policy) -> str:
+    """A digest of a plain policy's weights: each parameter's path, shape, dtype, and its sum and sum of squares
+    (float32 on the devices, 6 significant digits, so the digest does not depend on the sharding)."""
+    sums = jax.jit(lambda params: jax.tree.map(
+        lambda x: jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))]),
+        params))(policy.params)
+    digest = hashlib.sha256()
+    for (path, x), (_, s) in zip(jax.tree_util.tree_leaves_with_path(policy.params),
+                                 jax.tree_util.tree_leaves_with_path(sums)):
+        s = np.asarray(jax.device_get(s), np.float64)
+        digest.update(f"{jax.tree_util.keystr(path)} {x.shape} {x.dtype} {s[0]:.6g} {s[1]:.6g}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def start(config: Config, base: models.Policy, base_files: str | None = None) -> models.Policy:
+    """The adapted policy a fresh run trains. Records the base (`lora_base.json`) and, when it is not a file
+    already, saves it to `<output_dir>/lora_base` (`base_files`: the HF directory whose tokenizer and config
+    files go with it)."""
+    name = base_name(config)
+    saved = name == os.path.join(config.output_dir, BASE_DIR)
+    record = {"name": name, "fingerprint": fingerprint(base), "saved": saved}
+    if saved:
+        whole = base.replace(params=allgather(base.params), layout=None)
+        if is_primary():
+            models.save_pretrained(whole, name, base=base_files, progress=False)
+    if is_primary():
+        with open(os.path.join(config.output_dir, BASE_RECORD), "w") as f:
+            json.dump(record, f, indent=2)
+    wait_for_all_processes("jaxrl: LoRA base saved")
+    return adapt(config, base)
+
+
+def resume_base(config: Config, loaded: models.Policy) -> models.Policy:
+    """The base a resumed LoRA run's adapters were trained on: `loaded` (the policy the config loads) or the copy
+    the run saved, checked against the run's record. Raises `CheckpointError` when the record is missing or the
+    base is another one."""
+    path = os.path.join(config.output_dir, BASE_RECORD)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"resume=true with rl.lora.enabled: cannot read {path}, the record of the base the "
+                              f"adapters were trained on: {e}") from None
+    name = base_name(config)
+    if record["name"] != name:
+        raise CheckpointError(f"resume=true: the run's adapters were trained on the base {record['name']!r} "
+                              f"({path}), but the config's base is {name!r}; resume with the same base")
+    base = loaded
+    if record.get("saved"):
+        base = _load_saved(name, loaded)
+    found = fingerprint(base)
+    if found != record["fingerprint"]:
+        raise CheckpointError(f"resume=true: the base {name!r} is not the one the run's adapters were trained on: "
+                              f"its weights' fingerprint is {found}, the run recorded {record['fingerprint']} "
+                              f"({path}); resume with the same base")
+    return base
+
+
+def _load_saved(directory: str, like: models.Policy) -> models.Policy:
+    """The run's saved base, with `like`'s compute settings and placement."""
+    try:
+        base = load_policy(directory, layout=like.layout)
+    except CheckpointError as e:
+        raise CheckpointError(f"resume=true with rl.lora.enabled: cannot load the run's base {directory}: {e}") from None
+    config = like.config
+    base = models.replace_config(base, dtype=config.dtype, attention_impl=config.attention_impl, remat=config.remat)
+    if base.config != config:
+        raise CheckpointError(f"resume=true: the run's base {directory} has another model config than the config's "
+                              f"policy: {base.config} vs {config}")
+    return base

@@ -1,0 +1,224 @@
+"""LoRA and QLoRA adapters (`jaxrl.models.lora`, `rl.lora`): the adapted policy starts equal to its base, only the
+adapters train, the base with adapters off is the KL reference, a quantized base stays close, and bad input is
+refused by name."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl import configlib, losses, models
+from jaxrl.config import Config
+from jaxrl.loop import adapters
+from jaxrl.models import lora
+from jaxrl.models.hf import CheckpointError
+from jaxrl.sampling import SamplingConfig, sample
+from jaxrl.train import completion_logprobs, copy_policy, init_train_state, make_optimizer, make_rl_step
+
+from fake_devices import run_on_eight_devices
+from hf_fixtures import FIXTURES
+
+FAMILIES = ("llama3", "qwen2", "qwen3", "gemma3")
+TINY = models.ModelConfig(vocab_size=32, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          intermediate_size=96)
+
+
+def _tokens(vocab: int, shape=(2, 12), seed=0):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+def _randomised(policy, scale=0.05):
+    """`policy` with nonzero adapters, so that they change the output."""
+    leaves, tree = jax.tree.flatten(policy.params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    return policy.replace(params=jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                                           for x, k in zip(leaves, keys)]))
+
+
+@pytest.fixture(scope="module")
+def fixture_policies():
+    return {name: models.from_pretrained(os.path.join(FIXTURES, "transformers5", name)) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_adapters_give_the_base_logits_exactly(fixture_policies, family):
+    base = fixture_policies[family]
+    adapted = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0), seed=0)
+    assert len(lora.adapter_weights(adapted)) == 7 * base.config.num_layers  # every projection of every layer
+    tokens = _tokens(base.config.vocab_size)
+    forward = jax.jit(models.forward)
+    np.testing.assert_array_equal(forward(adapted, tokens), forward(base, tokens))
+    moved = _randomised(adapted)
+    assert not np.allclose(forward(moved, tokens), forward(base, tokens), atol=1e-4)  # adapters do act
+    np.testing.assert_array_equal(forward(lora.adapters_off(moved), tokens), forward(base, tokens))
+    # the merged weights give the adapted policy's logits
+    np.testing.assert_allclose(forward(lora.merged(moved, lora.LoraSpec(rank=4, alpha=8.0)), tokens),
+                               forward(moved, tokens), atol=2e-5)
+
+
+def test_targets_select_projections_by_name_or_path():
+    assert lora.target_paths(TINY, ("q_proj", "v_proj")) == [
+        "layers/0/self_attn/q_proj", "layers/0/self_attn/v_proj", "layers/1/self_attn/q_proj",
+        "layers/1/self_attn/v_proj"]
+    assert sorted(lora.target_paths(TINY, (r"layers/1/mlp/.*",))) == [
+        "layers/1/mlp/down_proj", "layers/1/mlp/gate_proj", "layers/1/mlp/up_proj"]
+    adapted = lora.add_adapters(models.init(TINY, 0), lora.LoraSpec(rank=2, alpha=2.0, targets=("o_proj",)), 0)
+    assert sorted(lora.adapter_weights(adapted)) == ["layers/0/self_attn/o_proj", "layers/1/self_attn/o_proj"]
+    a, b = lora.adapter_weights(adapted)["layers/0/self_attn/o_proj"]
+    assert a.shape == (64, 2) and b.shape == (2, 64) and not np.any(b)
+
+
+def _rl_batch(policy, rows=8, prompt_len=4, new=6):
+    tokens = _tokens(policy.config.vocab_size, (rows, prompt_len + new), seed=3)
+    prompt_valid = jnp.ones((rows, prompt_len), bool)
+    logp, _ = jax.jit(completion_logprobs)(policy, tokens, prompt_valid)
+    advantages = jnp.asarray(np.linspace(-1, 1, rows, dtype=np.float32))[:, None] * jnp.ones((1, new))
+    return {"tokens": tokens, "prompt_valid": prompt_valid, "loss_mask": jnp.ones((rows, new), jnp.float32),
+            "advantages": advantages, "old_logp": logp, "ref_logp": logp}
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_only_the_adapters_train_and_the_base_survives_donation(quantize):
+    base = models.init(TINY, 0)
+    adapted = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize=quantize), seed=0)
+    frozen_before = jax.tree.map(np.asarray, adapted.frozen)
+    reference = lora.adapters_off(adapted)
+    optimizer = make_optimizer(learning_rate=1e-2)
+    state = init_train_state(copy_policy(adapted), optimizer)
+    # the optimizer state is the adapters' alone: Adam's two moments per adapter array (and counters)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert len(moments) == 2 * len(jax.tree.leaves(adapted.params))
+    loss = losses.policy_term("ppo_clip", ratio="token", aggregation="token-mean", eps_low=0.2, eps_high=0.2)
+    loss = losses.combine(loss, losses.kl_term(coef=0.1, estimator="k3"))
+    step = make_rl_step(optimizer, loss, donate=True)
+    controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    batch = _rl_batch(adapted)
+    for _ in range(2):  # a donating step twice: the base (shared with the reference) must still be there
+        state, metrics = step(state, batch, controls, reference)
+    assert float(metrics["skipped"]) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.policy.frozen), frozen_before)
+    b_after = [b for _, b in lora.adapter_weights(state.policy).values()]
+    assert all(np.any(np.asarray(b)) for b in b_after)  # every adapter's B moved off zero
+    tokens = batch["tokens"]
+    jax.jit(models.forward)(reference, tokens).block_until_ready()  # the reference's arrays are alive
+
+
+def test_gradients_reach_only_the_adapters():
+    """Differentiating the adapted model with respect to everything: the base's gradients are exactly zero
+    only because nothing asks for them; the train step asks for `params` (the adapters) alone."""
+    adapted = lora.add_adapters(models.init(TINY, 0), lora.LoraSpec(rank=4, alpha=8.0), seed=0)
+    tokens = _tokens(TINY.vocab_size)
+
+    def loss(params, frozen):
+        return jnp.sum(models.forward(adapted.replace(params=params, frozen=frozen), tokens) ** 2)
+
+    grads = jax.grad(loss)(adapted.params, adapted.frozen)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapted.params)
+    assert all(np.any(np.asarray(g)) for path, g in jax.tree_util.tree_leaves_with_path(grads)
+               if "lora_b" in jax.tree_util.keystr(path))  # B gets a gradient at once; A once B is nonzero
+
+
+def test_kl_to_the_reference_is_zero_at_step_zero(fixture_policies):
+    base = fixture_policies["qwen2"]
+    adapted = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0), seed=1)
+    tokens = _tokens(base.config.vocab_size, (4, 10))
+    prompt_valid = jnp.ones((4, 4), bool)
+    logprobs = jax.jit(completion_logprobs)
+    policy_logp, _ = logprobs(adapted, tokens, prompt_valid)
+    ref_logp, _ = logprobs(lora.adapters_off(adapted), tokens, prompt_valid)
+    base_logp, _ = logprobs(base, tokens, prompt_valid)
+    np.testing.assert_array_equal(ref_logp, base_logp)
+    for estimator in ("k1", "k2", "k3"):
+        assert float(jnp.abs(losses.kl_estimate(policy_logp, ref_logp, estimator)).max()) == 0.0
+
+
+@pytest.mark.parametrize("family", ("llama3", "qwen2"))
+def test_int8_base_keeps_sampled_logprobs_within_005_nats(fixture_policies, family):
+    base = fixture_policies[family]
+    vocab = base.config.vocab_size
+    prompts = _tokens(vocab, (4, 6), seed=5)
+    config = SamplingConfig(max_new_tokens=16, temperature=1.0)
+    rollout = sample(base, prompts, jnp.ones(prompts.shape, bool), jax.random.key(0), config, eos_id=-1, pad_id=0,
+                     group_size=2)
+    tokens = jnp.concatenate([jnp.repeat(prompts, 2, axis=0), rollout.tokens], axis=1)
+    prompt_valid = jnp.ones((8, 6), bool)
+    logprobs = jax.jit(completion_logprobs)
+    exact, _ = logprobs(base, tokens, prompt_valid)
+    qlora = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize="int8"), seed=0)
+    assert {x.dtype for x in jax.tree.leaves(qlora.frozen) if x.ndim == 2 and x.shape[1] > 1} >= {jnp.dtype("int8")}
+    quantized, _ = logprobs(qlora, tokens, prompt_valid)
+    gap = float(jnp.abs(quantized - exact).max())
+    assert 0.0 < gap < 0.05, gap
+
+
+def test_bad_lora_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="target 'qkv_proj' matches no projection.*q_proj, k_proj, v_proj, o_proj"):
+        lora.add_adapters(models.init(TINY, 0), lora.LoraSpec(rank=4, alpha=8.0, targets=("qkv_proj",)), 0)
+    with pytest.raises(ValueError, match="rank must be positive"):
+        lora.LoraSpec(rank=0, alpha=1.0)
+    base = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
+    cases = {"rl.lora.rank=0": "rl.lora.rank: must be > 0",
+             "rl.lora.dropout=0.1": "lora.dropout is 0.1; only 0 is supported",
+             "rl.lora.quantize=int3": "rl.lora.quantize"}
+    for override, message in cases.items():
+        with pytest.raises((ValueError, configlib.ConfigError), match=message):
+            configlib.load_config(Config, base, ["rl.lora.enabled=true", override])
+    with pytest.raises((ValueError, configlib.ConfigError), match="critic.model 'policy_copy'.*'separate'"):
+        configlib.load_config(Config, base, ["rl.lora.enabled=true", "rl.critic.model=policy_copy",
+                                             "rl.loss.advantage.estimator=gae"])
+    config = configlib.load_config(Config, base, ["rl.lora.enabled=true", "rl.lora.targets=[attn]"])
+    with pytest.raises(ValueError, match="rl.lora.targets: target 'attn' matches no projection"):
+        adapters.adapt(config, models.init(config.model, 0))
+    with pytest.raises(ValueError, match="already has adapters"):
+        lora.add_adapters(lora.add_adapters(models.init(TINY, 0), lora.LoraSpec(rank=1, alpha=1.0), 0),
+                          lora.LoraSpec(rank=1, alpha=1.0), 0)
+
+
+def test_resume_refuses_another_base(tmp_path):
+    base = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
+    config = configlib.load_config(Config, base, ["rl.lora.enabled=true", f"output_dir={tmp_path}"])
+    policy = models.init(config.model, 0)
+    adapted = adapters.start(config, policy)
+    assert lora.is_adapted(adapted)
+    record = json.loads((tmp_path / adapters.BASE_RECORD).read_text())
+    assert record["saved"] and record["name"] == str(tmp_path / adapters.BASE_DIR)
+    restored = adapters.resume_base(config, policy)  # from the saved copy, checked
+    jax.tree.map(np.testing.assert_array_equal, restored.params, policy.params)
+    other = models.init(config.model, 1)
+    models.save_pretrained(other, tmp_path / adapters.BASE_DIR, progress=False)  # the saved base replaced
+    with pytest.raises(CheckpointError, match="is not the one the run's adapters were trained on"):
+        adapters.resume_base(config, policy)
+    record["name"] = "/elsewhere/base"
+    (tmp_path / adapters.BASE_RECORD).write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="trained on the base '/elsewhere/base'"):
+        adapters.resume_base(config, policy)
+
+
+def test_adapters_follow_the_logical_rules_on_a_mesh():
+    run_on_eight_devices("""
+import jax, jax.numpy as jnp, numpy as np
+from jaxrl import models
+from jaxrl.models import lora
+from jaxrl.sharding import layout_from
+from jaxrl.config import MeshConfig
+config = models.ModelConfig(vocab_size=32, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=96)
+base = models.init(config, 0)
+adapted = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0), 0)
+adapted = adapted.replace(params=jax.tree.map(lambda x: x + 0.01, adapted.params))
+layout = layout_from(MeshConfig(data=2, fsdp=2, tensor=2))
+sharded = models.shard(adapted, layout)
+a = sharded.params["layers"][0]["self_attn"]["q_proj"]["weight_lora_a"][...]
+b = sharded.params["layers"][0]["self_attn"]["q_proj"]["weight_lora_b"][...]
+assert a.sharding.spec == jax.sharding.PartitionSpec("fsdp"), a.sharding.spec  # [embed, rank]
+assert b.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), b.sharding.spec  # [rank, heads]
+w = sharded.frozen["layers"][0]["self_attn"]["q_proj"]["weight"][...]
+assert w.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp"), w.sharding.spec
+tokens = jax.random.randint(jax.random.key(0), (4, 8), 0, 32)
+np.testing.assert_allclose(jax.jit(models.forward)(sharded, tokens), jax.jit(models.forward)(adapted, tokens),
+                           atol=2e-5)
+print("OK")
+""")
