@@ -66,7 +66,8 @@ def main() -> int:
     expected = np.load(args.expected)
     failures: list[str] = []
     result: dict = {"base": args.base, "adapter": args.adapter, "merged": args.merged, "atol": args.atol,
-                    "torch": torch.__version__, "transformers": transformers.__version__, "peft_version": peft.__version__}
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "peft_version": peft.__version__}
 
     base, base_info = _load(args.base)
     model = peft.PeftModel.from_pretrained(base, args.adapter).eval()
