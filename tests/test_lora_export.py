@@ -114,8 +114,9 @@ def test_peft_tensors_recompose_the_merged_weights(exported, name):
     assert adapted == 7 * models.load_config(fixture(name)).num_layers
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_merged_export_reloads_to_the_adapted_logits(exported, name):
+def test_merged_export_reloads_to_the_adapted_logits(exported):
+    """On Qwen2 (tied head, q/k/v biases); Llama's merged weights are checked above, its logits in PEFT's check."""
+    name = "qwen2"
     policy, _, merged = exported[name]
     expected = np.load(os.path.join(fixture(name), "expected.npz"))
     tokens, valid = jnp.asarray(expected["tokens"], jnp.int32), jnp.asarray(expected["attention_mask"], bool)
