@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import configlib, models
 from jaxrl.checkpoint import CheckpointDamaged, verify_saved_arrays
+from jaxrl.models import lora
 from jaxrl.models.configs import ModelConfig
 from jaxrl.models.hf import CheckpointError, load_config
 from jaxrl.models.safe_read import read_json_file
@@ -169,6 +170,10 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
         config = _policy_model_config(source.directory)
         params_dir, subtree = os.path.join(source.directory, PARAMS_DIR), None
     else:
+        run = os.path.dirname(source.config_file)
+        if os.path.lexists(os.path.join(run, lora.BASE_RECORD)):
+            return _load_lora_run(source, run, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, layout=layout,
+                                  progress=progress)
         config = _run_model_config(source.config_file)
         params_dir, subtree = os.path.join(source.directory, "state"), "params"
     shardings = None
@@ -186,6 +191,36 @@ def load_policy(path: str | os.PathLike, *, dtype: str | None = None, compute_dt
     return policy if layout is None else policy.replace(layout=layout)
 
 
+def _load_lora_run(source: Source, run: str, **load) -> Policy:
+    """A LoRA run's checkpoint (it holds the adapters alone): the base it records (`lora_base.json`), checked by
+    its fingerprint, with the checkpoint's adapters merged in (`models.lora.merged`; a quantized base comes back
+    dequantized), as a plain policy."""
+    from jaxrl.config import LoraConfig  # (jaxrl.config imports much of jaxrl; only LoRA runs need it)
+    record_file = os.path.join(run, lora.BASE_RECORD)
+    record = read_json_file(record_file, error=CheckpointError)
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        raise CheckpointError(f"{record_file}: expected {{'name': <base path>, 'fingerprint': ...}}")
+    try:
+        base = load_policy(record["name"], **load)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source.directory}: a LoRA run's checkpoint; its base ({record_file}) does not load: "
+                              f"{e}") from None
+    if lora.fingerprint(base) != record.get("fingerprint"):
+        raise CheckpointError(f"{source.directory}: a LoRA run's checkpoint, but its base {record['name']} is not the "
+                              f"one its adapters were trained on (weights' fingerprint {lora.fingerprint(base)}, "
+                              f"recorded {record.get('fingerprint')} in {record_file})")
+    data = configlib.load_yaml(source.config_file) or {}
+    section = ((data.get("rl") or {}).get("lora") or {}) if isinstance(data, dict) else {}
+    settings = configlib.from_dict(LoraConfig, section, source=f"{source.config_file}: rl.lora")
+    spec = lora.LoraSpec(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets),
+                         quantize=settings.quantize)
+    adapted = lora.add_adapters(base, spec, seed=0)  # the checkpoint's adapters replace these
+    shardings = None if base.layout is None else base.layout.param_sharding
+    trained = _restore(base.config, os.path.join(source.directory, "state"), "params", None, load.get("mesh"),
+                       shardings, template=adapted)
+    return lora.merged(trained, spec)
+
+
 def _policy_model_config(directory: str) -> ModelConfig:
     model_file = os.path.join(directory, MODEL_FILE)
     try:
@@ -201,10 +236,12 @@ def _policy_model_config(directory: str) -> ModelConfig:
 
 
 def _restore(config: ModelConfig, item_dir: str, subtree: str | None, dtype: str | None,
-             mesh: Mesh | None, shardings=None) -> Policy:
+             mesh: Mesh | None, shardings=None, template: Policy | None = None) -> Policy:
     """Restore the parameters stored at `item_dir` (under the key `subtree` of the stored tree, if given)
-    against the shapes of `config`, read in their stored dtype and cast to `dtype` afterwards."""
-    template = models.abstract(config)
+    against the shapes of `config`, read in their stored dtype and cast to `dtype` afterwards. `template`: the
+    policy whose `params` are stored (an adapted policy: its adapters), with its graph and frozen base kept."""
+    adapted = template
+    template = template or models.abstract(config)
     where = item_dir if subtree is None else f"{item_dir} [{subtree!r}]"
     if not os.path.isdir(item_dir):
         raise CheckpointError(f"{item_dir}: missing")
@@ -259,6 +296,8 @@ def _restore(config: ModelConfig, item_dir: str, subtree: str | None, dtype: str
         except CheckpointDamaged as e:
             raise CheckpointError(str(e)) from None
     params = restored[subtree] if subtree is not None else restored
+    if adapted is not None:
+        return adapted.replace(params=params)
     if dtype is not None and (dtype, dtype) != (config.param_dtype, config.dtype):
         config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
         template = models.abstract(config)  # the graph holds the compute dtype

@@ -17,6 +17,7 @@ weights (the merged HF export).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 
@@ -33,6 +34,7 @@ from jaxrl.models.transformer import Linear, Policy, Transformer, abstract, posi
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANTIZATIONS = ("int8", "int4", "nf4")
 QUANT_GROUP = 64  # inputs per scale of a 4-bit base (QLoRA's block size)
+BASE_RECORD = "lora_base.json"  # in a LoRA run's directory: the base its adapters go on (`jaxrl.loop.adapters`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +183,20 @@ def merged(policy: Policy, spec: LoraSpec) -> Policy:
         values.append(jnp.asarray(value).astype(template.dtype))
     state = jax.tree.unflatten(jax.tree.structure(plain.params), values)
     return Policy(plain.graphdef, policy.config, state, policy.layout)
+
+
+def fingerprint(policy: Policy) -> str:
+    """A digest of a plain policy's weights: each parameter's path, shape, dtype, and its sum and sum of squares
+    (float32 on the devices, 6 significant digits, so the digest does not depend on the sharding)."""
+    sums = jax.jit(lambda params: jax.tree.map(
+        lambda x: jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))]),
+        params))(policy.params)
+    digest = hashlib.sha256()
+    for (path, x), (_, s) in zip(jax.tree_util.tree_leaves_with_path(policy.params),
+                                 jax.tree_util.tree_leaves_with_path(sums)):
+        s = np.asarray(jax.device_get(s), np.float64)
+        digest.update(f"{jax.tree_util.keystr(path)} {x.shape} {x.dtype} {s[0]:.6g} {s[1]:.6g}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def count(tree) -> int:

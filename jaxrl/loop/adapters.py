@@ -9,26 +9,22 @@ adds the adapters that the checkpoint then restores.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from jaxrl import models
 from jaxrl.config import Config
-from jaxrl.models import lora
+from jaxrl.models import lora, lora_export
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import load_policy
+from jaxrl.loop.setup import hf_files
 from jaxrl.sharding import allgather, is_primary, wait_for_all_processes
 
 log = logging.getLogger("jaxrl")
 
 BASE_DIR = "lora_base"  # <output_dir>/lora_base: the base of a run whose base is not a file of its own
-BASE_RECORD = "lora_base.json"  # <output_dir>/lora_base.json: {"name", "fingerprint", "saved"}
+BASE_RECORD = lora.BASE_RECORD  # <output_dir>/lora_base.json: {"name", "fingerprint", "saved"}
 
 
 def spec_of(config: Config) -> lora.LoraSpec:
@@ -61,27 +57,13 @@ def base_name(config: Config) -> str:
     return os.path.join(config.output_dir, BASE_DIR)
 
 
-def fingerprint(policy: models.Policy) -> str:
-    """A digest of a plain policy's weights: each parameter's path, shape, dtype, and its sum and sum of squares
-    (float32 on the devices, 6 significant digits, so the digest does not depend on the sharding)."""
-    sums = jax.jit(lambda params: jax.tree.map(
-        lambda x: jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32)))]),
-        params))(policy.params)
-    digest = hashlib.sha256()
-    for (path, x), (_, s) in zip(jax.tree_util.tree_leaves_with_path(policy.params),
-                                 jax.tree_util.tree_leaves_with_path(sums)):
-        s = np.asarray(jax.device_get(s), np.float64)
-        digest.update(f"{jax.tree_util.keystr(path)} {x.shape} {x.dtype} {s[0]:.6g} {s[1]:.6g}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def start(config: Config, base: models.Policy, base_files: str | None = None) -> models.Policy:
     """The adapted policy a fresh run trains. Records the base (`lora_base.json`) and, when it is not a file
     already, saves it to `<output_dir>/lora_base` (`base_files`: the HF directory whose tokenizer and config
     files go with it)."""
     name = base_name(config)
     saved = name == os.path.join(config.output_dir, BASE_DIR)
-    record = {"name": name, "fingerprint": fingerprint(base), "saved": saved}
+    record = {"name": name, "fingerprint": lora.fingerprint(base), "saved": saved}
     if saved:
         whole = base.replace(params=allgather(base.params), layout=None)
         if is_primary():
@@ -111,7 +93,7 @@ def resume_base(config: Config, loaded: models.Policy) -> models.Policy:
     base = loaded
     if record.get("saved"):
         base = _load_saved(name, loaded)
-    found = fingerprint(base)
+    found = lora.fingerprint(base)
     if found != record["fingerprint"]:
         raise CheckpointError(f"resume=true: the base {name!r} is not the one the run's adapters were trained on: "
                               f"its weights' fingerprint is {found}, the run recorded {record['fingerprint']} "
@@ -131,3 +113,16 @@ def _load_saved(directory: str, like: models.Policy) -> models.Policy:
         raise CheckpointError(f"resume=true: the run's base {directory} has another model config than the config's "
                               f"policy: {base.config} vs {config}")
     return base
+
+
+def export(config: Config, policy: models.Policy, progress: bool) -> None:
+    """The trained adapters as a PEFT directory `<output_dir>/adapter` (for `pretrained.path`, the base they go
+    on when the run did not warm-start), and merged into the base as an HF directory `<output_dir>/hf`."""
+    whole = policy.replace(params=allgather(policy.params), frozen=allgather(policy.frozen), layout=None)
+    if not is_primary():
+        return
+    spec, out = spec_of(config), config.output_dir
+    base_files = hf_files(config.pretrained.path)
+    lora_export.save_merged(whole, spec, os.path.join(out, "hf"), base=base_files, progress=progress)
+    lora_export.save_peft(whole, spec, os.path.join(out, "adapter"),
+                          base_model_name_or_path=os.path.abspath(base_name(config)))

@@ -23,6 +23,7 @@ from jaxrl.loop import adapters, held_out, outputs, progress, resume, rl, setup
 from jaxrl.loop.episodes import EpisodeGenerator
 from jaxrl.loop.generate import Generator
 from jaxrl.loop.warm_start import warm_start
+from jaxrl.models import lora
 from jaxrl.metrics import MetricsWriter, build_mirrors, plot_run, read_metrics
 from jaxrl.rewards.scoring import RewardScorer
 from jaxrl.samples import open_sample_log
@@ -218,8 +219,12 @@ def warm_start_and_evaluate(config: Config, ready: Prepared, resources: rl.RunRe
 
 def export_hf(config: Config, policy: models.Policy) -> None:
     """With `pretrained.export_hf`, the trained policy as an HF directory `<output_dir>/hf` (with the
-    pretrained checkpoint's tokenizer and config files)."""
+    pretrained checkpoint's tokenizer and config files); with LoRA, merged into its base, and the adapters alone
+    as a PEFT directory `<output_dir>/adapter` (`adapters.export`)."""
     if config.pretrained.path is None or not config.pretrained.export_hf:
+        return
+    if lora.is_adapted(policy):
+        adapters.export(config, policy, progress.bars(config.progress))
         return
     exported = policy.replace(params=allgather(policy.params), layout=None)  # whole on each process
     if is_primary():
