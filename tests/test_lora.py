@@ -226,6 +226,45 @@ print("OK")
 """)
 
 
+@pytest.mark.slow
+def test_an_rl_step_of_adapters_on_a_mesh_equals_one_device():
+    run_on_eight_devices("""
+import jax, jax.numpy as jnp, numpy as np
+from jaxrl import models
+from jaxrl.models import lora
+from jaxrl.sharding import layout_from
+from jaxrl.config import MeshConfig
+config = models.ModelConfig(vocab_size=32, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=96)
+base = models.init(config, 0)
+layout = layout_from(MeshConfig(data=2, fsdp=2, tensor=2))
+# two RL steps on the mesh (a quantized base too) equal the steps on one device
+from jaxrl import losses
+from jaxrl.train import completion_logprobs, init_train_state, make_optimizer, make_rl_step
+from jaxrl.sharding import shard_batch
+for quantize in (None, "int8"):
+    one = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize=quantize), 0)
+    many = models.shard(one, layout)
+    tokens = jax.random.randint(jax.random.key(1), (8, 10), 0, 32)
+    prompt_valid = jnp.ones((8, 4), bool)
+    logp, _ = jax.jit(completion_logprobs)(one, tokens, prompt_valid)
+    batch = {"tokens": tokens, "prompt_valid": prompt_valid, "loss_mask": jnp.ones((8, 6), jnp.float32),
+             "advantages": jnp.linspace(-1.0, 1.0, 8)[:, None] * jnp.ones((1, 6)), "old_logp": logp}
+    optimizer = make_optimizer(learning_rate=1e-2)
+    step = make_rl_step(optimizer, losses.policy_term("ppo_clip"), donate=True)
+    controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
+    results = []
+    for policy, placed in ((one, batch), (many, shard_batch(batch, layout.mesh))):
+        state = init_train_state(policy.replace(params=jax.tree.map(jnp.copy, policy.params)), optimizer)
+        for _ in range(2):
+            state, _ = step(state, placed, controls)
+        results.append(jax.tree.map(np.asarray, state.policy.params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), *results)
+    assert any(np.any(b) for _, b in lora.adapter_weights(state.policy).values())
+print("OK")
+""")
+
+
 def test_lora_run_from_a_hugging_face_checkpoint_exports_and_refuses_another_base(tmp_path):
     """A QLoRA (int8) run on the tiny Qwen2 checkpoint: checkpoints hold the adapters alone, the exports are the
     adapted policy, and resuming on a changed base is refused."""
