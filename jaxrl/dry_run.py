@@ -166,6 +166,21 @@ def dry_run(config) -> tuple[list[Check], bool]:
         return ", ".join(f"{field.removeprefix('rl.loss.')}={name}" for field, name in pieces.items())
 
     _check("loss", checks, loss)
+
+    def adapters():
+        from jaxrl import models
+        from jaxrl.models import lora
+        model = models.load_config(config.pretrained.path) if config.pretrained.path else config.model
+        try:
+            paths = lora.target_paths(model, tuple(config.rl.lora.targets))
+        except ValueError as e:
+            raise ValueError(f"rl.lora.targets: {e}") from None
+        names = sorted({p.rsplit("/", 1)[-1] for p in paths}, key=lora.PROJECTIONS.index)
+        return (f"rank {config.rl.lora.rank} on {len(paths)} projections ({', '.join(names)})"
+                + (f", base in {config.rl.lora.quantize}" if config.rl.lora.quantize else ""))
+
+    if config.rl.lora.enabled:
+        _check("lora", checks, adapters)
     return checks, all(c.ok for c in checks)
 
 
