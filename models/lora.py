@@ -108,7 +108,9 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
     if spec.quantize is not None and others:  # QLoRA keeps every projection of the base quantized
         rules.append(qwix.QuantizationRule(module_path=_union(others), weight_qtype=spec.quantize,
                                            tile_size=_tile_size(spec.quantize, policy.config)))
-    model = nnx.merge(policy.graphdef, policy.params)
+    # the dummy call below runs without rematerialisation: inside a checkpointed block, qwix would create the
+    # adapters on a copy of the block; the policy's own `remat` is set back afterwards
+    model = nnx.merge(abstract(dataclasses.replace(policy.config, remat="none")).graphdef, policy.params)
     if spec.quantize is not None:  # qwix quantizes weights in their compute dtype (its astype takes no QArray)
         compute = jnp.dtype(policy.config.dtype)
         for _, module in model.iter_modules():
@@ -119,6 +121,7 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
     # qwix creates the adapters (and quantizes the base) while running the model once on a dummy input
     adapted = qwix.apply_lora_to_model(model, qwix.LoraProvider(rules), tokens, positions_from_mask(valid), valid,
                                        rngs=nnx.Rngs(seed))
+    adapted.config = policy.config  # (a static attribute: only `Transformer.__call__` reads `remat`)
     graphdef, adapters, frozen = nnx.split(adapted, nnx.LoRAParam, ...)
     return Policy(graphdef, policy.config, adapters, policy.layout, frozen)
 

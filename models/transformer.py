@@ -332,12 +332,17 @@ REMAT_POLICIES = {
 }
 
 
-def _block_forward(layer: int, layout: Layout | None, max_segments: int | None):
-    """`(block, x, positions, masks) -> x`: block `layer` without a cache, for `nnx.remat` (static arguments in
-    the closure: `nnx.remat` would trace an int argument)."""
-    def forward(block: "Block", x, positions, masks):
-        return block(x, positions, masks, None, 0, layer, layout, max_segments)[0]
-    return forward
+def _rematerialised_block(block: "Block", layer: int, layout: Layout | None, max_segments: int | None, policy):
+    """`(x, positions, masks) -> x`: block `layer` without a cache under `jax.checkpoint` with `policy`. The block
+    goes in as its split state and is merged inside, so nothing flows back out of the checkpointed trace
+    (`nnx.remat` writes the block's state back, which a qwix-adapted block cannot take)."""
+    graphdef, state = nnx.split(block)
+
+    def forward(state, x, positions, masks):
+        return nnx.merge(graphdef, state)(x, positions, masks, None, 0, layer, layout, max_segments)[0]
+
+    checkpointed = jax.checkpoint(forward, policy=policy)
+    return lambda x, positions, masks: checkpointed(state, x, positions, masks)
 
 
 class Transformer(nnx.Module):
@@ -372,7 +377,7 @@ class Transformer(nnx.Module):
             if remat is None:
                 x, cache = layer(x, positions, masks, cache, cache_index, i, layout, max_segments)
             else:  # the backward pass recomputes what `remat` does not save of this block
-                x = nnx.remat(_block_forward(i, layout, max_segments), policy=remat)(layer, x, positions, masks)
+                x = _rematerialised_block(layer, i, layout, max_segments, remat)(x, positions, masks)
         return self.norm(x), cache
 
     def unembedding(self) -> jax.Array:
