@@ -484,6 +484,10 @@ def compare_lora(lora_rank: int, lora_alpha: float | None = None, lora_targets: 
     this process; `step_memory_ratio` is the LoRA step's `step_memory_bytes` over the full step's (each its own
     compiled program's `memory_analysis()`), `speedup_tokens_per_s` the LoRA step's tokens/s over the full's.
     The host peak memory is the process's so far: the LoRA figure also covers the full step run before it."""
+    from jaxrl.models.lora import PROJECTIONS, LoraSpec, target_paths
+    spec = LoraSpec(rank=lora_rank, alpha=1.0, targets=tuple(lora_targets) if lora_targets else PROJECTIONS,
+                    quantize=quantize)  # bad settings fail here, before the full step runs
+    target_paths(_model_config(kwargs.get("model", "bench-small"))[1], spec.targets)
     full = bench_train(**kwargs)
     lora = bench_train(**kwargs, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
                        quantize=quantize)
