@@ -44,6 +44,8 @@ def test_lora_step_trains_the_adapters_alone_in_less_memory(comparison):
     assert comparison["step_memory_ratio"] == pytest.approx(lora["step_memory_bytes"] / full["step_memory_bytes"])
     assert comparison["step_memory_ratio"] < 0.75
     assert comparison["speedup_tokens_per_s"] == pytest.approx(lora["tokens_per_s"] / full["tokens_per_s"])
+    (full_s, lora_s), = comparison["interleaved_step_s"]  # repeats=1: one round
+    assert full_s > 0 and lora_s > 0 and comparison["speedup_interleaved"] == pytest.approx(full_s / lora_s)
 
 
 def test_cli_bench_train_lora_prints_both_steps(capsys, monkeypatch, comparison):
