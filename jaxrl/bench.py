@@ -1,6 +1,7 @@
 """Benchmarks: `jaxrl bench sample [options]`, the jitted sampler's throughput on a fixed workload, and
 `jaxrl bench train [options]`, the RL train step's (`bench_train`; `--lengths ragged` draws long-tailed completion
-lengths, `--packing on|off|compare` trains on packed or padded rows).
+lengths, `--packing on|off|compare` trains on packed or padded rows, `--lora RANK` times the same step with LoRA
+adapters beside the full step, then both back to back: `compare_lora`).
 
     jaxrl bench sample [--model bench-small] [--prompts 8] [--prompt-len 64] [--group 8] [--new-tokens 128]
                        [--no-prefix-sharing | --compare | --compare-compaction] [--lengths fixed|ragged]
@@ -307,7 +308,10 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
                 micro_batches: int = 1, repeats: int = 3, seed: int = 0, remat: str = "none",
                 mesh: tuple[int, int, int] = (1, 1, 1), compute_dtype: str | None = None,
                 peak_tflops: float | None = None, donate: bool = True, lengths: str = "fixed",
-                packing: str = "off", row_tokens: int | None = None, buckets: int = 8) -> dict:
+                packing: str = "off", row_tokens: int | None = None, buckets: int = 8,
+                lora_rank: int | None = None, lora_alpha: float | None = None,
+                lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
+                more_steps: list | None = None) -> dict:
     """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
 
     The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
@@ -333,6 +337,14 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     completion_len - 1`) and `buckets`, one plan per step, its host time counted in the step time);
     `micro_batches` then sets the token budget of a micro-batch, `sequences / micro_batches` padded rows' worth.
     `useful_tokens_per_s` counts the completion tokens trained (the sum of the lengths) per second.
+
+    `lora_rank`: the policy gets LoRA adapters first (`models.lora.add_adapters`; `lora_alpha`, default 2 x rank;
+    `lora_targets`, default every projection; `quantize`: the frozen base in int8 / int4 / nf4, QLoRA), so the
+    step trains and keeps Adam's moments for the adapters alone; the frozen base is part of the state the step
+    takes. Each call's output state is the next call's input, so a donated base passes through the step (its
+    output written over its input) and is counted once; the base is checked unchanged after the timed steps.
+    `more_steps`: a list that gets a callable running one more step of this benchmark and returning its seconds
+    (`compare_lora` interleaves two benchmarks' steps with it).
     """
     import jax
     import jax.numpy as jnp
@@ -362,7 +374,13 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     model_name, config = _model_config(model)
     config = dataclasses.replace(config, remat=remat, dtype=compute_dtype or config.dtype)
     layout = models.Layout(make_mesh(*mesh))
-    policy = models.shard(models.init(config, seed), layout)
+    policy = models.init(config, seed)
+    lora = None
+    if lora_rank is not None:
+        policy, lora = _adapted(policy, lora_rank, lora_alpha, lora_targets, quantize, seed)
+    elif quantize is not None or lora_alpha is not None or lora_targets is not None:
+        raise ValueError("quantize, lora_alpha and lora_targets need lora_rank (the adapters' rank)")
+    policy = models.shard(policy, layout)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, config.vocab_size, (sequences, prompt_len + completion_len))
     completion_lengths = np.full(sequences, completion_len, np.int32)
@@ -392,6 +410,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     step = make_rl_step(optimizer, loss, micro_batches=micro_batches if packing == "off" else 1, donate=donate)
     controls = losses.Controls(entropy_coef=jnp.float32(0.0), temperature=jnp.float32(1.0))
     state = jax.block_until_ready(init_train_state(policy, optimizer))
+    base_sum = None if lora is None else _tree_sum(state.policy.frozen)
+    del policy  # with donation the step deletes the arrays the policy shares with the state
 
     start = time.perf_counter()
     planned = with_plan(batch)
@@ -407,6 +427,16 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         state, metrics = jax.block_until_ready(step(state, with_plan(batch), controls))
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    if lora is not None and _tree_sum(state.policy.frozen) != base_sum:
+        raise RuntimeError("the frozen base changed during the LoRA benchmark's steps")
+    if more_steps is not None:
+        carried = {"state": state}
+
+        def one_more() -> float:
+            begin = time.perf_counter()
+            carried["state"], _ = jax.block_until_ready(step(carried["state"], with_plan(batch), controls))
+            return time.perf_counter() - begin
+        more_steps.append(one_more)
     peak, peak_source = _peak_memory()
     step_memory = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
                                                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
@@ -426,10 +456,63 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         "packed_rows": packed_shape, "buckets": buckets,
         "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
         "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate,
-        "step_memory_bytes": step_memory, "platform": device.platform,
+        "step_memory_bytes": step_memory, "lora": lora,
+        "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
+        "argument_bytes": None if memory is None else memory.argument_size_in_bytes,
+        "output_bytes": None if memory is None else memory.output_size_in_bytes,
+        "alias_bytes": None if memory is None else memory.alias_size_in_bytes,
+        "temp_bytes": None if memory is None else memory.temp_size_in_bytes, "platform": device.platform,
         "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
         "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
     }
+
+
+def _adapted(policy, rank: int, alpha: float | None, targets: tuple[str, ...] | None, quantize: str | None,
+             seed: int):
+    """`(adapted policy, description)`: `policy` with LoRA adapters (`models.lora.add_adapters`)."""
+    import jax
+
+    from jaxrl.models.lora import PROJECTIONS, LoraSpec, add_adapters
+    spec = LoraSpec(rank=rank, alpha=float(2 * rank if alpha is None else alpha),
+                    targets=tuple(targets) if targets else PROJECTIONS, quantize=quantize)
+    adapted = add_adapters(policy, spec, seed)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(adapted.frozen))
+    return adapted, {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "quantize": quantize,
+                     "frozen_bytes": int(nbytes)}
+
+
+def _tree_sum(tree) -> float:
+    """A float64 checksum of every array of `tree` (a quantized base's integer values included)."""
+    import jax
+    import numpy as np
+
+    return float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(tree)))
+
+
+def compare_lora(lora_rank: int, lora_alpha: float | None = None, lora_targets: tuple[str, ...] | None = None,
+                 quantize: str | None = None, **kwargs) -> dict:
+    """`bench_train(**kwargs)` of the full step, then of the same step with LoRA adapters (`lora_rank`, ...), in
+    this process; `step_memory_ratio` is the LoRA step's `step_memory_bytes` over the full step's (each its own
+    compiled program's `memory_analysis()`), `speedup_tokens_per_s` the LoRA step's tokens/s over the full's.
+    Then `repeats` rounds of one full step and one LoRA step back to back, so that both see the same machine
+    load: `interleaved_step_s` (full, LoRA) pairs and `speedup_interleaved`, the median of full / LoRA step
+    time over the rounds. The host peak memory is the process's so far: the LoRA figure also covers the full
+    step run before it."""
+    from jaxrl.models.lora import PROJECTIONS, LoraSpec, target_paths
+    spec = LoraSpec(rank=lora_rank, alpha=1.0, targets=tuple(lora_targets) if lora_targets else PROJECTIONS,
+                    quantize=quantize)  # bad settings fail here, before the full step runs
+    target_paths(_model_config(kwargs.get("model", "bench-small"))[1], spec.targets)
+    steps: list = []
+    full = bench_train(**kwargs, more_steps=steps)
+    lora = bench_train(**kwargs, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets,
+                       quantize=quantize, more_steps=steps)
+    ratio = (lora["step_memory_bytes"] / full["step_memory_bytes"]
+             if lora["step_memory_bytes"] and full["step_memory_bytes"] else None)
+    full_step, lora_step = steps
+    pairs = [(full_step(), lora_step()) for _ in range(kwargs.get("repeats", 3))]
+    return {"benchmark": "train_lora", "full": full, "lora": lora, "step_memory_ratio": ratio,
+            "speedup_tokens_per_s": lora["tokens_per_s"] / full["tokens_per_s"], "interleaved_step_s": pairs,
+            "speedup_interleaved": statistics.median(a / b for a, b in pairs)}
 
 
 def train_flops_per_token(config, seq_len: int) -> float:
@@ -472,6 +555,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-tokens", type=int, default=None,
                         help="packed row length (default: prompt-len + completion-len - 1)")
     parser.add_argument("--buckets", type=int, default=8, help="static packed row counts (default: 8)")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="also time the step with LoRA adapters of this rank (models.lora; only the adapters "
+                             "trained, Adam's state theirs alone, the base frozen), after the full step in the same "
+                             "process, then --repeats rounds of one step of each back to back; reports both and the "
+                             "LoRA step's compiled memory over the full step's")
+    parser.add_argument("--lora-alpha", type=float, default=None,
+                        help="the adapters' alpha: their output is scaled by alpha / rank (default: 2 x rank)")
+    parser.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
+                        help="projections to adapt, by name (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                             "down_proj) or regular expression over their paths (default: all of them)")
+    parser.add_argument("--quantize", choices=("int8", "int4", "nf4"), default=None,
+                        help="with --lora: the frozen base's projections stored in this type (QLoRA; qwix)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -488,11 +583,25 @@ def run_train(args: argparse.Namespace) -> int:
                       repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
                       compute_dtype=args.dtype, peak_tflops=args.peak_tflops, donate=not args.no_donate,
                       lengths=args.lengths, row_tokens=args.row_tokens, buckets=args.buckets)
-        modes = ("off", "on") if args.packing == "compare" else (args.packing,)
-        results = [bench_train(**kwargs, packing=mode) for mode in modes]
+        if args.lora is None and (args.quantize or args.lora_targets or args.lora_alpha is not None):
+            raise ValueError("--quantize, --lora-targets and --lora-alpha need --lora RANK")
+        if args.lora is not None:
+            if args.packing == "compare":
+                raise ValueError("--lora compares the full step with the LoRA step; use --packing on or off with it")
+            comparison = compare_lora(args.lora, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                                      quantize=args.quantize, packing=args.packing, **kwargs)
+            results = [comparison["full"], comparison["lora"]]
+        else:
+            modes = ("off", "on") if args.packing == "compare" else (args.packing,)
+            results = [bench_train(**kwargs, packing=mode) for mode in modes]
     except (ValueError, RuntimeError) as e:
         print(f"jaxrl: bench error: {e}", file=sys.stderr)
         return 2
+    if args.lora is not None:
+        print(json.dumps(comparison), flush=True)
+        print()
+        print(lora_table(comparison))
+        return 0
     if len(results) == 2:
         padded, packed = results
         speedup = packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"]
@@ -524,6 +633,44 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"token-level clipped policy loss (clip 0.2, token-mean), AdamW; median of {r['repeats']} steps after a "
           f"warm-up; device {r['platform']} / {r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
     return 0
+
+
+def _step_kind(r: dict) -> str:
+    lora = r["lora"]
+    if lora is None:
+        return "full fine-tune"
+    base = f"{lora['quantize']} base (QLoRA)" if lora["quantize"] else "base as loaded"
+    from jaxrl.models.lora import PROJECTIONS
+    targets = "all projections" if tuple(lora["targets"]) == PROJECTIONS else ", ".join(lora["targets"])
+    return f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on {targets}, {base}"
+
+
+def lora_table(comparison: dict) -> str:
+    """Markdown table of `compare_lora`'s result: each step's compiled memory (`memory_analysis()`) and speed."""
+    lines = ["| step | trained parameters | frozen base | compiled step memory | arguments | temporaries "
+             "| training tokens/s | step time | compile |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in (comparison["full"], comparison["lora"]):
+        memory = "-" if r["step_memory_bytes"] is None else _gib(r["step_memory_bytes"])
+        arguments = "-" if r["argument_bytes"] is None else _gib(r["argument_bytes"])
+        temps = "-" if r["temp_bytes"] is None else _gib(r["temp_bytes"])
+        frozen = "-" if r["lora"] is None else _gib(r["lora"]["frozen_bytes"])
+        lines.append(f"| {_step_kind(r)} | {r['trainable_parameters'] / 1e6:.2f}M | {frozen} | {memory} | {arguments} "
+                     f"| {temps} | {r['tokens_per_s']:.1f} | {r['step_s']:.3f} s | {r['compile_s']:.2f} s |")
+    r = comparison["full"]
+    ratio = comparison["step_memory_ratio"]
+    lines.append("")
+    pairs = ", ".join(f"{a:.2f} s / {b:.2f} s" for a, b in comparison["interleaved_step_s"])
+    lines.append(("LoRA / full compiled step memory: " + ("-" if ratio is None else f"{100 * ratio:.1f}%")
+                  + f"; LoRA / full training tokens/s: {comparison['speedup_interleaved']:.2f}x (median over "
+                  f"{len(comparison['interleaved_step_s'])} back-to-back rounds, step time full / LoRA: {pairs}; "
+                  f"separate runs above: {comparison['speedup_tokens_per_s']:.2f}x)"))
+    lines.append(f"model {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}), "
+                 f"{r['sequences']} x ({r['prompt_len']} + {r['completion_len']} {r['lengths']}) tokens, "
+                 f"{r['micro_batches']} micro-batch(es), state {'donated' if r['donate'] else 'not donated'}; "
+                 f"compiled step memory = arguments + outputs + temporaries - outputs written over donated "
+                 f"arguments; median of {r['repeats']} steps after a warm-up; device {r['platform']} / "
+                 f"{r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")
+    return "\n".join(lines)
 
 
 def _jaxlib_version() -> str | None:

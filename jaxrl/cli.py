@@ -87,7 +87,8 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxrl.plan import command
 
     return command(config, args.config, args.overrides, topology=args.topology, slices=args.slices,
-                   suggest=not args.no_suggest, json_only=args.json, whole_sampler=args.whole_sampler)
+                   suggest=not args.no_suggest, json_only=args.json, whole_sampler=args.whole_sampler,
+                   compare_full=not args.no_compare_full)
 
 
 def _bench_sample(args: argparse.Namespace) -> int:
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print only the JSON line")
     plan.add_argument("--whole-sampler", action="store_true", help="also compile the sampler as one program (its "
                       "real memory; the slowest compile) beside its prefill and decode step")
+    plan.add_argument("--no-compare-full", action="store_true", help="with rl.lora.enabled: do not plan the full "
+                      "fine-tune of the same model beside the LoRA recipe")
     plan.set_defaults(handler=_plan)
     _add_tiny_checkpoint(commands)
     bench = commands.add_parser("bench", help="benchmarks (random weights, fixed workloads)",

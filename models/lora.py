@@ -113,8 +113,8 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
     model = nnx.merge(abstract(dataclasses.replace(policy.config, remat="none")).graphdef, policy.params)
     if spec.quantize is not None:  # qwix quantizes weights in their compute dtype (its astype takes no QArray)
         compute = jnp.dtype(policy.config.dtype)
-        for _, module in model.iter_modules():
-            if isinstance(module, Linear) and module.weight[...].dtype != compute:
+        for path, module in model.iter_modules():  # (the projections only: the output head stays as it is)
+            if path and path[-1] in PROJECTIONS and module.weight[...].dtype != compute:
                 module.weight = nnx.Param(module.weight[...].astype(compute))
     tokens = jnp.zeros((1, 2), jnp.int32)
     valid = jnp.ones((1, 2), bool)

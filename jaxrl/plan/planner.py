@@ -36,6 +36,9 @@ class Plan:
     programs: tuple[est.ProgramEstimate, ...]
     overrides: tuple[str, ...] = ()  # config overrides this plan was made with
     depths: tuple[int, ...] = ()  # layer counts compiled and extrapolated from (empty: the full depth)
+    lora: str = ""  # the LoRA adapters trained over a frozen base (`rl.lora`); empty: the full fine-tune
+    trained: int = 0  # parameters the optimizer trains (the adapters' with LoRA)
+    full: Plan | None = None  # with LoRA: the full fine-tune of the same model on the same topology, beside it
 
     @property
     def hbm_bytes(self) -> int:
@@ -128,7 +131,8 @@ def make_plan(config: Config, topology: Topology, *, overrides: Sequence[str] = 
         raise PlanError(str(e)) from None
     resident = {name: state_bytes_per_chip(tree) for name, tree in built.resident.items()}
     plan = Plan(topology=topology, mesh=dict(mesh.shape), model=_describe(model), parameters=_parameters(model),
-                shapes=built.shapes, resident=resident, programs=(), overrides=tuple(overrides), depths=depths)
+                shapes=built.shapes, resident=resident, programs=(), overrides=tuple(overrides), depths=depths,
+                lora=_describe_lora(config), trained=_count(built.resident["policy"]))
     if plan.resident_bytes > plan.usable_bytes:
         return plan
     names = [p.name for p in built.programs]
@@ -198,6 +202,37 @@ def _describe(model) -> str:
     return (f"{model.family} {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads "
             f"({model.num_kv_heads} kv), vocab {model.vocab_size}, params {model.param_dtype}, compute "
             f"{model.dtype}, attention {model.attention_impl}, remat {model.remat}")
+
+
+def _describe_lora(config: Config) -> str:
+    lora = config.rl.lora
+    if not lora.enabled:
+        return ""
+    from jaxrl.models.lora import PROJECTIONS
+    targets = "all projections" if tuple(lora.targets) == PROJECTIONS else ", ".join(lora.targets)
+    base = f"{lora.quantize} base (QLoRA)" if lora.quantize else "base as loaded"
+    return f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {targets}, {base}"
+
+
+def _count(tree) -> int:
+    import math
+
+    import jax
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def with_full_fine_tune(plan: Plan, config_path: str | None, overrides: Sequence[str], topology: Topology, *,
+                        whole_sampler: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
+    """A LoRA `plan` with the full fine-tune of the same recipe (`rl.lora.enabled=false`) planned beside it, on
+    the same topology and programs (`Plan.full`). A plan without LoRA is returned as it is."""
+    if not plan.lora:
+        return plan
+    changed = [*overrides, "rl.lora.enabled=false"]
+    if progress:
+        progress("planning the full fine-tune of the same model beside it (rl.lora.enabled=false)")
+    full = make_plan(load_config(Config, config_path, changed), topology, overrides=changed,
+                     only=[p.name for p in plan.programs] or None, whole_sampler=whole_sampler, progress=progress)
+    return dataclasses.replace(plan, full=full)
 
 
 def _parameters(model) -> int:

@@ -17,6 +17,11 @@ One RL step (`jaxrl.loop`) runs, on the recipe's real shapes:
   accumulated over `micro_batches`;
 - `eval_decode_step`: the held-out evaluation's decode step (every `eval.every` steps, not in the step itself),
   when its cache is larger than the rollout's.
+
+With `rl.lora.enabled` every program runs the adapted policy (`models.lora.add_adapters` traced with
+`jax.eval_shape`, so nothing is allocated): `policy` is then the adapters, `frozen_base` the base (its
+projections in `rl.lora.quantize`'s type for QLoRA), `optimizer` the adapters' Adam state, and there is no
+`reference` copy: the reference is the same base with the adapters off (`models.lora.adapters_off`).
 """
 
 from __future__ import annotations
@@ -131,11 +136,27 @@ def _key(mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_replicated(mesh))
 
 
-def abstract_policy(model: ModelConfig, layout: models.Layout) -> models.Policy:
-    """The policy with sharded ShapeDtypeStruct parameters, placed as `models.shard` would place them."""
+def abstract_policy(model: ModelConfig, layout: models.Layout, lora=None) -> models.Policy:
+    """The policy with sharded ShapeDtypeStruct parameters, placed as `models.shard` would place them. With a
+    `models.lora.LoraSpec`: the adapted policy (adapters in `params`, the base in `frozen`), its shapes found by
+    tracing `add_adapters` on an abstract policy."""
     layout = layout.for_model(model)
-    policy = models.abstract(model)
+    if lora is None:
+        policy = models.abstract(model)
+    else:
+        from jaxrl.models.lora import add_adapters
+        policy = jax.eval_shape(lambda: add_adapters(models.init(model, 0), lora, 0))
+        policy = policy.replace(frozen=abstract(policy.frozen, layout.param_shardings(policy.frozen)))
     return policy.replace(params=abstract(policy.params, layout.param_shardings(policy.params)), layout=layout)
+
+
+def lora_spec(config: Config):
+    """`models.lora.LoraSpec` of `rl.lora`, or None when LoRA is off."""
+    lora = config.rl.lora
+    if not lora.enabled:
+        return None
+    from jaxrl.models.lora import LoraSpec
+    return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), quantize=lora.quantize)
 
 
 def _critic(policy: models.Policy) -> Critic:
@@ -174,7 +195,8 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     rl, loss_config = config.rl, config.rl.loss
     mesh = layout.mesh
     layout = layout.for_model(model)
-    policy = abstract_policy(model, layout)
+    lora = lora_spec(config)
+    policy = abstract_policy(model, layout, lora)
     parallel = data_parallel_size(mesh)
 
     prompts, group, new = rl.prompts_per_step, rl.group_size, config.completion_tokens  # an episode: env.max_tokens
@@ -194,6 +216,8 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
 
     optimizer = make_optimizer(**dataclasses.asdict(rl.optim))
     resident: dict[str, Any] = {"policy": policy.params, "optimizer": _opt_state(optimizer, policy.params, layout)}
+    if lora is not None:
+        resident["frozen_base"] = policy.frozen
     critic = critic_optimizer = None
     if rl.critic.model != "none":
         trunk = policy if rl.critic.model == "policy_copy" else abstract_policy(_critic_model(config), layout)
@@ -204,7 +228,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     full_kl = loss_config.needs_full_kl
     keep_ref = loss_config.needs_ref_logp or full_kl
     ref_policy = None
-    if keep_ref:  # the frozen warm-start policy, in arrays of its own (`copy_arrays`)
+    if keep_ref and lora is None:  # the frozen warm-start policy, in arrays of its own (`copy_arrays`)
         ref_policy = policy
         resident["reference"] = policy.params
     state = TrainState(policy=policy, opt_state=resident["optimizer"], step=_scalar(mesh, jnp.int32),
@@ -212,6 +236,8 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     everything = tuple(resident)
 
     def others(*used: str) -> tuple[str, ...]:
+        if "policy" in used:  # the adapted policy's programs take its base as an argument
+            used = used + ("frozen_base",)
         return tuple(name for name in everything if name not in used)
 
     temperature = _scalar(mesh)
@@ -230,7 +256,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     programs.append(_prefill(policy, rl.sampling, prompt_tokens, prompt_valid, others("policy")))
     decoding, beside = _decoding_policy(policy, rl.sampling), others("policy")
     if decoding is not policy:  # the decode loop reads a gathered copy of the weights, the policy's stay beside
-        beside = everything
+        beside = tuple(name for name in everything if name != "frozen_base")  # (a base is read as it is)
     programs.append(_decode_step(decoding, rl.sampling, sampled_prompts, sampled_group, prompt_len, new, mesh,
                                  beside))
 
@@ -242,7 +268,7 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
                             (policy, tokens, valid, temperature),
                             calls_per_step=1 + keep_ref, resident_elsewhere=others("policy"),
                             model_flops=logprob_flops,
-                            note=f"{'policy and reference' if keep_ref else 'policy'}, {_micro(rl.micro_batches)}"))
+                            note=f"{_logprob_models(keep_ref, lora)}, {_micro(rl.micro_batches)}"))
     if critic is not None:
         programs.append(Program("values", jax.jit(by_micro_batches(critic_values, rl.micro_batches)),
                                 (critic, tokens, valid), calls_per_step=1,
@@ -257,6 +283,9 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     controls = jax.tree.map(lambda x: _scalar(mesh, x.dtype),
                             losses.Controls.initial(loss_config, rl.sampling.temperature))
     train_args = (state, batch, controls, ref_policy if full_kl else None)
+    if full_kl and lora is not None:  # the reference is the state's own base with the adapters off, not a copy
+        step = _with_base_reference(step, donate=not rl.overlap)
+        train_args = train_args[:3]
     used = ("policy", "optimizer", "critic", "critic_optimizer") + (("reference",) if full_kl else ())
     train_flops = 3 * _forward_flops(model, minibatch * total_len, total_len / 2) * (1 + (critic is not None))
     if full_kl:
@@ -276,6 +305,22 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
             _decode_step(decoding, greedy, eval_rows, 1, prompt_len, new, mesh, beside),
             name="eval_decode_step", calls_per_step=0, timed=False, note=f"{eval_rows} prompts, greedy"))
     return StepPrograms(model, layout, tuple(programs), resident, shapes)
+
+
+def _logprob_models(keep_ref: bool, lora) -> str:
+    if not keep_ref:
+        return "policy"
+    return "policy and reference (adapters off)" if lora is not None else "policy and reference"
+
+
+def _with_base_reference(step: Callable, donate: bool) -> Callable:
+    """`step(state, batch, controls)` of an adapted policy whose exact-KL reference is its own base with the
+    adapters off (`models.lora.adapters_off`): one base in memory, not a second argument."""
+    from jaxrl.models.lora import adapters_off
+
+    def run(state, batch, controls):
+        return step(state, batch, controls, adapters_off(state.policy))
+    return jax.jit(run, donate_argnames=("state",) if donate else ())
 
 
 def _micro(count: int) -> str:
@@ -408,8 +453,16 @@ def state_bytes_per_chip(tree: Any) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        total += math.prod(shape) * dtype_bits(leaf.dtype) // 8
     return total
+
+
+def dtype_bits(dtype) -> int:
+    """Bits per element as stored: 4 for a 4-bit type (a QLoRA base; numpy says one byte), else 8 x itemsize."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    return 8 * dtype.itemsize
 
 
 def layout_for(config: Config, mesh) -> models.Layout:

@@ -47,6 +47,15 @@ def to_json(plan: Plan, suggestion: Suggestion | None = None) -> dict:
         "chip_figures": {"peak_bf16_flops": chip.peak_bf16_flops, "hbm_bytes_per_s": chip.hbm_bytes_per_s,
                          "ici_bytes_per_s": chip.ici_bytes_per_s, "source": chip.source},
     }
+    out["lora"] = plan.lora or None
+    out["trained_parameters"] = plan.trained
+    if plan.full is not None:
+        full = plan.full
+        out["full_fine_tune"] = {
+            "overrides": list(full.overrides), "fits": full.fits, "resident_bytes_per_chip": full.resident,
+            "peak_bytes_per_chip": full.peak_bytes, "peak_program": full.peak.name if full.programs else "resident",
+            "trained_parameters": full.trained,
+            "programs": {p.name: {"peak_bytes": p.peak_bytes, "temp_bytes": p.temp_bytes} for p in full.programs}}
     if suggestion is not None:
         out["suggestion"] = {"change": suggestion.describe(), "overrides": list(suggestion.overrides),
                              "topology": suggestion.topology, "fits": suggestion.plan.fits,
@@ -64,6 +73,7 @@ def table(plan: Plan, suggestion: Suggestion | None = None, searched: bool = Fal
              f"model: {plan.model}; {plan.parameters / 1e9:.2f}B parameters"
              + (f"; compiled at {plan.depths[0]} and {plan.depths[1]} layers, every figure extrapolated linearly "
                 "to the full depth" if plan.depths else ""),
+             *([f"{plan.lora}: {plan.trained / 1e6:.2f}M trained parameters"] if plan.lora else []),
              "shapes: " + ", ".join(f"{k}={v}" for k, v in plan.shapes.items()),
              "",
              "resident per chip: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in plan.resident.items())
@@ -95,9 +105,35 @@ def table(plan: Plan, suggestion: Suggestion | None = None, searched: bool = Fal
         unexpected = [f"{p.name}: {u}" for p in plan.programs for u in p.unexpected]
         lines.append("unexpected collectives (> 1% of the state): " + ("none" if not unexpected else ""))
         lines += [f"  {u}" for u in unexpected]
+    if plan.full is not None:
+        lines += ["", *beside_full(plan)]
     lines.append("")
     lines.append(verdict(plan, suggestion, searched))
     return "\n".join(lines)
+
+
+def beside_full(plan: Plan) -> list[str]:
+    """A LoRA plan's per-chip memory beside the full fine-tune's (`Plan.full`): the resident state by part, then
+    each program's peak, in GiB."""
+    full = plan.full
+    lines = [f"{'per chip, GiB':<26} {'LoRA':>8} {'full':>8}   (full fine-tune: {' '.join(full.overrides[-1:])})"]
+    names = list(dict.fromkeys([*full.resident, *plan.resident]))
+    for name in names:
+        lines.append(f"  {'resident ' + name:<24} {_gib(plan.resident.get(name, 0)):>8} "
+                     f"{_gib(full.resident.get(name, 0)):>8}")
+    lines.append(f"  {'resident total':<24} {_gib(plan.resident_bytes):>8} {_gib(full.resident_bytes):>8}")
+    peaks = {p.name: p.peak_bytes for p in full.programs}
+    for p in plan.programs:
+        other = _gib(peaks[p.name]) if p.name in peaks else "-"
+        lines.append(f"  {'peak ' + p.name:<24} {_gib(p.peak_bytes):>8} {other:>8}")
+    if plan.programs and full.programs:
+        lines.append(f"  {'peak of the step':<24} {_gib(plan.peak_bytes):>8} {_gib(full.peak_bytes):>8}   "
+                     f"(LoRA / full: {100 * plan.peak_bytes / full.peak_bytes:.0f}%; full fine-tune "
+                     f"{'fits' if full.fits else 'does not fit'})")
+    elif not full.programs:
+        lines.append("  the full fine-tune's resident state alone does not fit: nothing of it compiled")
+    lines.append(f"  trained parameters: LoRA {plan.trained / 1e6:.2f}M, full {full.trained / 1e6:.2f}M")
+    return lines
 
 
 def verdict(plan: Plan, suggestion: Suggestion | None, searched: bool) -> str:
