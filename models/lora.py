@@ -108,21 +108,38 @@ def add_adapters(policy: Policy, spec: LoraSpec, seed: int) -> Policy:
     if spec.quantize is not None and others:  # QLoRA keeps every projection of the base quantized
         rules.append(qwix.QuantizationRule(module_path=_union(others), weight_qtype=spec.quantize,
                                            tile_size=_tile_size(spec.quantize, policy.config)))
+    provider = qwix.LoraProvider(rules)
     # the dummy call below runs without rematerialisation: inside a checkpointed block, qwix would create the
     # adapters on a copy of the block; the policy's own `remat` is set back afterwards
-    model = nnx.merge(abstract(dataclasses.replace(policy.config, remat="none")).graphdef, policy.params)
-    if spec.quantize is not None:  # qwix quantizes weights in their compute dtype (its astype takes no QArray)
-        compute = jnp.dtype(policy.config.dtype)
-        for path, module in model.iter_modules():  # (the projections only: the output head stays as it is)
-            if path and path[-1] in PROJECTIONS and module.weight[...].dtype != compute:
-                module.weight = nnx.Param(module.weight[...].astype(compute))
-    tokens = jnp.zeros((1, 2), jnp.int32)
-    valid = jnp.ones((1, 2), bool)
-    # qwix creates the adapters (and quantizes the base) while running the model once on a dummy input
-    adapted = qwix.apply_lora_to_model(model, qwix.LoraProvider(rules), tokens, positions_from_mask(valid), valid,
-                                       rngs=nnx.Rngs(seed))
-    adapted.config = policy.config  # (a static attribute: only `Transformer.__call__` reads `remat`)
-    graphdef, adapters, frozen = nnx.split(adapted, nnx.LoRAParam, ...)
+    plain = abstract(dataclasses.replace(policy.config, remat="none")).graphdef
+    shared = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(policy.params)}
+    traced = {}
+
+    def build(params):
+        model = nnx.merge(plain, params)
+        if spec.quantize is not None:  # qwix quantizes weights in their compute dtype (its astype takes no QArray)
+            compute = jnp.dtype(policy.config.dtype)
+            for path, module in model.iter_modules():  # (the projections only: the output head stays as it is)
+                if path and path[-1] in PROJECTIONS and module.weight[...].dtype != compute:
+                    module.weight = nnx.Param(module.weight[...].astype(compute))
+        tokens = jnp.zeros((1, 2), jnp.int32)
+        valid = jnp.ones((1, 2), bool)
+        # qwix creates the adapters (and quantizes the base) while running the model once on a dummy input
+        adapted = qwix.apply_lora_to_model(model, provider, tokens, positions_from_mask(valid), valid,
+                                           rngs=nnx.Rngs(seed))
+        adapted.config = policy.config  # (a static attribute: only `Transformer.__call__` reads `remat`)
+        graphdef, adapters, frozen = nnx.split(adapted, nnx.LoRAParam, ...)
+        leaves = jax.tree_util.tree_leaves_with_path(frozen)
+        traced.update(graphdef=graphdef, structure=jax.tree.structure(frozen),
+                      paths=[jax.tree_util.keystr(path) for path, _ in leaves])
+        # the base's own arrays are not returned (a copy of the whole base): only what qwix made of them
+        return adapters, {key: x for key, (_, x) in zip(traced["paths"], leaves) if key not in shared}
+
+    # one compiled program instead of the dummy forward's ops one by one
+    adapters, made = jax.jit(build)(policy.params)
+    base = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(policy.params)}
+    frozen = jax.tree.unflatten(traced["structure"], [made[k] if k in made else base[k] for k in traced["paths"]])
+    graphdef = traced["graphdef"]
     return Policy(graphdef, policy.config, adapters, policy.layout, frozen)
 
 

@@ -168,6 +168,7 @@ def test_compacted_layout_packs_live_rows_into_the_smallest_bucket_with_the_most
         assert rows.size in default_batch_buckets(32) and rows.size < 2 * max(live.size, 1) + 8
 
 
+@pytest.mark.slow  # 46 s of the fast suite's 15 minutes; the sampler's own compile bound stays fast (test_sampling)
 def test_compiles_stay_bounded_over_200_calls_of_random_lengths(compactions):
     """200 calls, each with random row lengths (forced) and a random seed: every compacted shape the run uses
     is compiled once; the count stays below a small constant however the rows finish."""

@@ -135,10 +135,6 @@ def test_dry_run_prints_the_chat_templated_prompt_of_a_pretrained_checkpoint(tmp
 
 def test_dry_run_checks_the_lora_targets(tmp_path, capsys):
     overrides = _files(tmp_path, [{"question": "What is 1+2?", "answer": "3"}])
-    assert main(["train", "configs/default.yaml", *overrides, "rl.lora.enabled=true", "rl.lora.quantize=int8",
-                 "rl.lora.targets=[q_proj, 'layers/1/mlp/.*']", "--dry-run"]) == 0
-    assert "ok     lora         rank 8 on 5 projections (q_proj, gate_proj, up_proj, down_proj), base in int8" in (
-        capsys.readouterr().out)
     assert main(["train", "configs/default.yaml", *overrides, "rl.lora.enabled=true", "rl.lora.targets=[attn]",
                  "--dry-run"]) == 2
     failed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAILED")]

@@ -136,7 +136,8 @@ def test_kl_to_the_reference_is_zero_at_step_zero(fixture_policies):
         assert float(jnp.abs(losses.kl_estimate(policy_logp, ref_logp, estimator)).max()) == 0.0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llama3", "qwen2", pytest.param("qwen3", marks=pytest.mark.slow),
+                                    pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_int8_base_keeps_sampled_logprobs_within_005_nats(fixture_policies, family):
     """Mean over sampled tokens of |log p_int8 - log p_float32| below 0.05 nats. (Single tokens of these tiny
     random-weight models move more: up to 0.12 nats, benchmarks/RESULTS.md.)"""
@@ -283,7 +284,7 @@ def test_lora_run_from_a_hugging_face_checkpoint_exports_and_refuses_another_bas
         f"pretrained.path={tmp_path / 'qwen'}", "pretrained.dtype=float32", f"data.train_file={tmp_path / 'train.jsonl'}",
         f"data.eval_file={tmp_path / 'eval.jsonl'}", "data.reference_pattern='#### (.+)$'", "sft.steps=0",
         "rl.steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "rl.sampling.max_new_tokens=8", "eval.every=0",
-        "eval.batch_size=4", "checkpoint.every=1", "reward.function=math", "progress=false",
+        "eval.batch_size=4", "checkpoint.every=2", "reward.function=math", "progress=false",
         f"output_dir={tmp_path / 'run'}", "pretrained.attention_impl=xla", "rl.lora.enabled=true", "rl.lora.rank=4",
         "rl.lora.quantize=int8", "rl.loss.kl_coef=0.05", "rl.optim.learning_rate=0.01",
         "rl.loss.entropy_coef=0.01",  # a gradient even when every completion gets the same reward

@@ -281,7 +281,7 @@ def test_a_packed_step_on_eight_data_shards_equals_the_padded_single_device_step
 # --------------------------------------------------------------------------- the run loop
 
 
-@pytest.mark.parametrize("preset", ["dapo", "ppo"])
+@pytest.mark.parametrize("preset", ["dapo", pytest.param("ppo", marks=pytest.mark.slow)])  # ppo: suite time
 def test_the_default_recipe_gives_the_same_metrics_with_packing_on_and_off(preset, tmp_path, monkeypatch):
     """Two RL steps of the default recipe (tiny sizes, 2 minibatches x 2 micro-batches; PPO with a critic):
     packing on (old/ref log-probs, values and every update on packed rows) logs the metrics of packing off, to

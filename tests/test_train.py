@@ -100,6 +100,7 @@ def test_an_error_after_a_save_still_finishes_the_checkpoint(tmp_path, monkeypat
     assert Checkpointer.newest(tmp_path / "checkpoints") == 1
 
 
+@pytest.mark.slow  # test_resume.py::test_two_runs_with_the_same_seed_write_identical_metrics checks it byte for byte
 def test_same_seed_same_run(tmp_path):
     """Reproducibility: two runs with one seed log identical metrics (timings aside)."""
     drop_timings = lambda rs: [{k: v for k, v in r.items() if "time" not in k and "seconds" not in k}
