@@ -212,8 +212,7 @@ def _load_lora_run(source: Source, run: str, **load) -> Policy:
     data = configlib.load_yaml(source.config_file) or {}
     section = ((data.get("rl") or {}).get("lora") or {}) if isinstance(data, dict) else {}
     settings = configlib.from_dict(LoraConfig, section, source=f"{source.config_file}: rl.lora")
-    spec = lora.LoraSpec(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets),
-                         quantize=settings.quantize)
+    spec = lora.LoraSpec.of(settings)
     adapted = lora.add_adapters(base, spec, seed=0)  # the checkpoint's adapters replace these
     shardings = None if base.layout is None else base.layout.param_sharding
     trained = _restore(base.config, os.path.join(source.directory, "state"), "params", None, load.get("mesh"),

@@ -60,6 +60,12 @@ class LoraSpec:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @classmethod
+    def of(cls, settings) -> "LoraSpec":
+        """The spec of a run's `rl.lora` section (`jaxrl.config.LoraConfig`: rank, alpha, targets, quantize)."""
+        return cls(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets),
+                   quantize=settings.quantize)
+
 
 def projection_paths(config) -> list[str]:
     """Every projection an adapter can target, as `layers/<i>/<self_attn|mlp>/<name>`."""

@@ -272,14 +272,10 @@ def test_lora_run_from_a_hugging_face_checkpoint_exports_and_refuses_another_bas
     adapted policy, and resuming on a changed base is refused."""
     import orbax.checkpoint as ocp
     from jaxrl import loop
-    from jaxrl.data import arithmetic
-    from test_pretrained_run import _checkpoint_with_tokenizer
+    from test_pretrained_run import _checkpoint_with_tokenizer, _prompt_files
 
     _checkpoint_with_tokenizer(tmp_path / "qwen")
-    train, held_out = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=16, num_eval=4), seed=0)
-    for name, rows in (("train", train), ("eval", held_out)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"question": p.prompt, "answer": arithmetic.solution(p)}) + "\n" for p in rows))
+    _prompt_files(tmp_path, num_train=16, num_eval=4)
     overrides = [
         f"pretrained.path={tmp_path / 'qwen'}", "pretrained.dtype=float32", f"data.train_file={tmp_path / 'train.jsonl'}",
         f"data.eval_file={tmp_path / 'eval.jsonl'}", "data.reference_pattern='#### (.+)$'", "sft.steps=0",

@@ -47,14 +47,20 @@ def _checkpoint_with_tokenizer(directory):
     assert load_tokenizer(directory).vocab_size <= 128
 
 
+def _prompt_files(directory, num_train: int, num_eval: int) -> None:
+    """`train.jsonl` and `eval.jsonl` of arithmetic problems with `#### answer` references in `directory`."""
+    train, held_out = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=num_train, num_eval=num_eval),
+                                             seed=0)
+    for name, rows in (("train", train), ("eval", held_out)):
+        (directory / f"{name}.jsonl").write_text("".join(
+            json.dumps({"question": p.prompt, "answer": arithmetic.solution(p)}) + "\n" for p in rows))
+
+
 @pytest.fixture(scope="module")
 def pretrained_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrained")
     _checkpoint_with_tokenizer(tmp / "qwen")
-    train, held_out = arithmetic.make_splits(arithmetic.ArithmeticTaskConfig(num_train=24, num_eval=8), seed=0)
-    for name, rows in (("train", train), ("eval", held_out)):
-        (tmp / f"{name}.jsonl").write_text("".join(
-            json.dumps({"question": p.prompt, "answer": arithmetic.solution(p)}) + "\n" for p in rows))
+    _prompt_files(tmp, num_train=24, num_eval=8)
     overrides = [
         f"pretrained.path={tmp / 'qwen'}", "pretrained.dtype=float32", f"data.train_file={tmp / 'train.jsonl'}",
         f"data.eval_file={tmp / 'eval.jsonl'}", "data.reference_pattern='#### (.+)$'", "data.chat_template=true",

@@ -29,9 +29,7 @@ BASE_RECORD = lora.BASE_RECORD  # <output_dir>/lora_base.json: {"name", "fingerp
 
 def spec_of(config: Config) -> lora.LoraSpec:
     """The adapters `config.rl.lora` asks for."""
-    settings = config.rl.lora
-    return lora.LoraSpec(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets),
-                         quantize=settings.quantize)
+    return lora.LoraSpec.of(config.rl.lora)
 
 
 def adapt(config: Config, base: models.Policy) -> models.Policy:

@@ -156,7 +156,7 @@ def lora_spec(config: Config):
     if not lora.enabled:
         return None
     from jaxrl.models.lora import LoraSpec
-    return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), quantize=lora.quantize)
+    return LoraSpec.of(lora)
 
 
 def _critic(policy: models.Policy) -> Critic:
