@@ -81,7 +81,7 @@ def _rl_batch(policy, rows=8, prompt_len=4, new=6):
             "advantages": advantages, "old_logp": logp, "ref_logp": logp}
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=pytest.mark.slow)])  # int8: the mesh test
 def test_only_the_adapters_train_and_the_base_survives_donation(quantize):
     base = models.init(TINY, 0)
     adapted = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize=quantize), seed=0)

@@ -504,7 +504,8 @@ def test_critic_warmup_trains_only_the_critic_first(tmp_path, monkeypatch):
     assert records[0]["train/critic_grad_norm"] > 0
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap"])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: suite time
+                         ids=["synchronous", "overlap"])
 def test_reference_reset_makes_the_kl_restart_from_zero(tmp_path, monkeypatch, overlap):
     """With one update per step, a reference reset every step leaves nothing between the policy and its
     reference when the next update starts: the KL estimate is 0 there, and not without the reset. With
