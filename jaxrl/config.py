@@ -140,6 +140,25 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartialRolloutConfig:
+    """Partial rollouts (Kimi k1.5's partial rollouts; APRIL, arXiv 2509.18521): each step decodes in segments
+    of `segment_tokens` over `rl.prompts_per_step + extra_groups` groups, stops once `rl.prompts_per_step`
+    groups are complete, trains on those (oldest first) and carries the others over to the next step, where
+    they continue (their prompt and completion so far prefilled again) under the newer policy. Each token
+    keeps the version that sampled it and its log-prob (`sampler_logp`), which the rollout correction uses."""
+
+    segment_tokens: int = _field(0, ge=0)  # 0: off; must divide rl.sampling.max_new_tokens
+    extra_groups: int | None = _field(None, ge=1)  # groups in flight beyond prompts_per_step (None: as many)
+    # Steps a group may be carried over; it is completed in the step after that. Its first tokens are then up
+    # to depth + max_carry versions old, so rl.max_staleness must be at least max_carry.
+    max_carry: int = _field(1, ge=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.segment_tokens > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Rollout batches of `prompts_per_step * group_size` completions, `epochs * minibatches` optimizer
     steps per batch, each accumulated over `micro_batches`; the objective is `loss` (see jaxrl.losses)."""
@@ -156,12 +175,16 @@ class RLConfig:
     # The KL terms' reference policy is the warm-started one; every this many RL steps it becomes the current
     # policy instead (0: never), as in periodic reference resets.
     ref_reset_every: int = _field(0, ge=0)
-    # One-step off-policy overlap: while step t's update runs, a background thread samples and scores step
-    # t+1 and computes its log-probs (old_logp; values, ref_logp) with the models from before that update (and
-    # the sampling temperature of step t). PPO's ratio pi_theta / pi_old is then the importance ratio to the
-    # policy that sampled, and its clipping bounds the one-step lag's correction. Steps after a checkpoint
-    # are sampled on-policy, so a resumed run matches an uninterrupted one.
-    overlap: bool = False
+    # Bounded staleness: rollouts come from a producer (a background thread) that samples up to this many
+    # policy versions ahead of the update. The rollout of step s is sampled by the parameters after update
+    # max(s - 1 - depth, c), c the last checkpoint step before s (a resumed run then draws what the uninterrupted
+    # one drew), depth = max_staleness - partial_rollouts.max_carry when partial rollouts are on. The trainer
+    # recomputes old_logp with the parameters it is about to update, so the PPO ratio is a trust region around
+    # them; the rollout correction (rl.loss.is_level: exp(old_logp - sampler_logp)) corrects the staleness.
+    # 0: on-policy. Every token trained on is at most max_staleness versions old (checked every step).
+    max_staleness: int = _field(0, ge=0)
+    overlap: bool = False  # the same as max_staleness: 1 (older configs)
+    partial_rollouts: PartialRolloutConfig = _section(PartialRolloutConfig)
     dynamic_sampling: DynamicSamplingConfig = _section(DynamicSamplingConfig)
     sampling: SamplingConfig = _section(SamplingConfig)
     loss: LossConfig = _section(LossConfig)
@@ -169,6 +192,18 @@ class RLConfig:
     optim: OptimConfig = _section(OptimConfig, learning_rate=3e-4, warmup_steps=5)
     packing: PackingConfig = _section(PackingConfig)
     lora: LoraConfig = _section(LoraConfig)
+
+    @property
+    def staleness(self) -> int:
+        """The bound on the policy versions between a sampled token and the update it trains (`max_staleness`,
+        at least 1 with the older `overlap`)."""
+        return max(self.max_staleness, int(self.overlap))
+
+    @property
+    def sampling_depth(self) -> int:
+        """How many versions behind the update a step's rollout is sampled (partial rollouts keep
+        `partial_rollouts.max_carry` of `staleness` for the steps a group is carried)."""
+        return self.staleness - (self.partial_rollouts.max_carry if self.partial_rollouts.enabled else 0)
 
     def validate(self) -> None:
         if self.sampling.temperature <= 0:
@@ -184,6 +219,29 @@ class RLConfig:
         if packing.row_tokens and packing.micro_batch_tokens and packing.micro_batch_tokens < packing.row_tokens:
             raise ValueError(f"packing.micro_batch_tokens ({packing.micro_batch_tokens}) is smaller than one row "
                              f"(packing.row_tokens = {packing.row_tokens})")
+        if self.overlap and self.max_staleness not in (0, 1):
+            raise ValueError(f"rl.overlap is the older name of rl.max_staleness: 1; it contradicts "
+                             f"rl.max_staleness = {self.max_staleness}: set only rl.max_staleness")
+        partial = self.partial_rollouts
+        if partial.enabled:
+            max_new = self.sampling.max_new_tokens
+            if partial.segment_tokens >= max_new or max_new % partial.segment_tokens:
+                raise ValueError(f"rl.partial_rollouts.segment_tokens ({partial.segment_tokens}) must divide "
+                                 f"rl.sampling.max_new_tokens ({max_new}) and be smaller, so every segment of a "
+                                 "carried completion fits its remaining budget")
+            if self.staleness < partial.max_carry:
+                raise ValueError(f"rl.max_staleness ({self.staleness}) is below rl.partial_rollouts.max_carry "
+                                 f"({partial.max_carry}): a group carried over that many steps has tokens that "
+                                 "many versions old; raise rl.max_staleness or lower max_carry")
+            extra = partial.extra_groups if partial.extra_groups is not None else self.prompts_per_step
+            if extra > self.prompts_per_step:
+                raise ValueError(f"rl.partial_rollouts.extra_groups ({extra}) exceeds rl.prompts_per_step "
+                                 f"({self.prompts_per_step}): a step trains prompts_per_step groups, so more "
+                                 "carried groups than that could not all be trained within max_carry steps")
+            if self.dynamic_sampling.enabled:
+                raise ValueError("rl.partial_rollouts with rl.dynamic_sampling.enabled: dynamic sampling selects "
+                                 "whole rounds of groups as they finish sampling, which carried groups never do "
+                                 "at once; turn one of them off")
         if self.lora.enabled and self.lora.dropout:
             raise ValueError(f"lora.dropout is {self.lora.dropout}; only 0 is supported: the PPO ratio compares the "
                              "update's log-probs with the rollout's, which dropout would make differ even where the "
@@ -565,6 +623,23 @@ class Config:
                     f"rl.packing.enabled: the self-reward {name!r} reads per-token statistics that only the padded "
                     "log-prob pass computes; turn packing off", field="rl.packing.enabled")
 
+    def check_partial_rollouts(self) -> None:
+        """The sampler settings a carried completion cannot continue under: a `ValueError` naming the field."""
+        if self.env.multi_turn:
+            raise ValueError(f"rl.partial_rollouts with env.name {self.env.name!r}: a multi-turn episode's state "
+                             "(its environment and turns) is not carried between steps; turn partial rollouts off")
+        if self.tokenizer.stop_strings:
+            raise ValueError("rl.partial_rollouts with tokenizer.stop_strings: a stop string split by a segment "
+                             "boundary would not end its completion; use stop tokens (tokenizer.stop_tokens) or "
+                             "turn partial rollouts off")
+        if self.rl.sampling.policy_logp:
+            raise ValueError("rl.partial_rollouts with rl.sampling.policy_logp: the carried completions keep only "
+                             "sampler_logp; turn one of them off")
+        if "greedy_rollouts" in self.pieces()["rl.loss.advantage.estimator"].needs:
+            raise ValueError(f"rl.partial_rollouts with rl.loss.advantage.estimator "
+                             f"{self.rl.loss.advantage.estimator!r}: its greedy baseline is one completion by the "
+                             "policy that sampled the group, which a carried group does not have")
+
     def validate(self) -> None:
         if not self.output_dir.strip():
             raise ValueError("output_dir is empty: name the run's directory")
@@ -578,6 +653,8 @@ class Config:
                              "start no demonstrations: set data.solution_field (a row field with worked "
                              "solutions), use data.format: messages (the last assistant message), or set "
                              "sft.steps=0")
+        if self.rl.partial_rollouts.enabled:
+            self.check_partial_rollouts()
         if self.data.system_prompt is not None and not self.data.chat_template:
             raise ValueError("data.system_prompt needs data.chat_template: true")
         if self.pretrained.path is None and self.tokenizer.vocab_size > self.model.vocab_size:

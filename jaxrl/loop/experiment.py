@@ -137,10 +137,11 @@ def prepare(config: Config, resume_step: int | None) -> Prepared:
     layout = layout_from(config.mesh)
     mesh = layout.mesh
     setup.check_batch_sizes(config, dict(mesh.shape), data_shard(mesh)[1])
-    if config.rl.overlap and jax.process_count() > 1:
-        raise RunConfigError("rl.overlap runs the next step's sampling in a background thread, which is "
+    if config.rl.staleness and jax.process_count() > 1:
+        field = "rl.max_staleness" if config.rl.max_staleness else "rl.overlap"
+        raise RunConfigError(f"{field} runs the sampling of later steps in a background thread, which is "
                              f"single-process for now; this run has {jax.process_count()} processes: set "
-                             "rl.overlap=false")
+                             f"{field}={'0' if config.rl.max_staleness else 'false'}")
     policy, tokenizer, tokenizer_file = setup.policy_and_tokenizer(config, corpus, layout)
     if tokenizer.vocab_size > policy.config.vocab_size:
         raise RunConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

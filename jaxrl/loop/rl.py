@@ -1,10 +1,11 @@
 """The RL phase: `train` drives the steps; `rl_step` is one step as a function of an explicit `LoopState`.
 
-A step: take the rollout (sampled now, or by the background thread during the previous update with
-rl.overlap) -> score and gather its rewards -> `losses.prepare_batch` (advantages) -> start the next
-rollout in the background (rl.overlap) -> `rl_update` (the jitted `train.make_rl_step`, epochs x
-minibatches) -> controllers -> the step's record. `finish_step` then evaluates, writes the record and saves.
-Everything a step changes is in the `LoopState` it returns; `RLContext` holds what stays fixed for the run.
+A step: take the rollout from the producer (sampled now, or up to rl.max_staleness versions ahead on its
+thread: `jaxrl.loop.producer`) -> its log-probs under the parameters to update -> score and gather its
+rewards -> `losses.prepare_batch` (advantages, rollout correction) -> `rl_update` (the jitted
+`train.make_rl_step`, epochs x minibatches) -> controllers -> the step's record. `finish_step` then evaluates,
+writes the record and saves, and the new version goes to the producer. Everything a step changes is in the
+`LoopState` it returns; `RLContext` holds what stays fixed for the run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -28,11 +28,11 @@ from jaxrl.config import Config
 from jaxrl.data.batching import shuffled_batches
 from jaxrl.errors import Preempted, RunConfigError, TrainingDiverged
 from jaxrl.losses import Controls
-from jaxrl.loop import held_out, progress, resume, self_rewards, setup
+from jaxrl.loop import held_out, partial, progress, resume, self_rewards, setup
 from jaxrl.loop.episodes import episode_metrics, turn_credit_arrays
 from jaxrl.loop.generate import Generator
-from jaxrl.loop.rollout import (RolloutResult, Sampler, rollout_batch, sample_rollout, score_rollout,
-                                shaped_rewards)
+from jaxrl.loop.producer import Producer, staleness_metrics
+from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, score_rollout, shaped_rewards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import lora
 from jaxrl.packing import host_rows
@@ -60,8 +60,7 @@ class LoopState:
     iterator_after_step: dict  # the prompt iterator's state after the last finished step (checkpointed)
     totals: dict[str, int]  # reward timeouts and errors, skipped updates: the run's counts so far
     consecutive_skips: int = 0  # steps in a row whose updates were skipped (rl.max_consecutive_skips)
-    pending: Future | None = None  # the next step's rollout, being sampled (and scored) in the background
-    drawn_with: tuple = (None, None)  # the reference policy and temperature of the pending rollout's ref_logp
+    carry_after_step: partial.Carry | None = None  # partial rollouts' groups in flight after the last step
     last_accuracy: float | None = None  # the latest periodic evaluation's, for the progress line
 
 
@@ -91,7 +90,8 @@ class RLContext:
     samples: SampleLog  # samples.jsonl
     checkpointer: Checkpointer
     loss_key: jax.Array  # the loss's own draws (Clip-Cov), folded with the step
-    background: ThreadPoolExecutor | None  # the rollout thread of rl.overlap
+    producer: Producer  # the steps' rollouts, sampled up to rl.max_staleness versions ahead
+    problem_index: dict[int, int]  # id(problem) -> its index in the training set (partial rollouts' carry)
     preempted: "PreemptionFlag"
 
     @property
@@ -106,8 +106,8 @@ def train(warm_policy, config: Config, problems: tuple[list, list], generate: Ge
     `resume_step`; `warm_policy` is then unused), on `problems` (train, held-out). Returns the final state,
     controls and totals.
 
-    The optimizer steps donate the state (`make_rl_step`), so `warm_policy`'s arrays are consumed, but for
-    `rl.overlap`, whose background rollout samples with the state that the update is given.
+    The optimizer steps donate the state (`make_rl_step`), so `warm_policy`'s arrays are consumed, but with
+    `rl.max_staleness`, whose producer samples with the versions the updates were given.
     """
     rl = config.rl
     train_problems, eval_problems = problems
@@ -117,27 +117,29 @@ def train(warm_policy, config: Config, problems: tuple[list, list], generate: Ge
     preempted = PreemptionFlag()
     seed_key = jax.random.key(config.seed)  # fold_in 2: sampling; 3: minibatch order; 4: sampled evaluation
     sampler = Sampler(config, generate, sinks.scorer, programs, jax.random.fold_in(seed_key, 2))
-    background = ThreadPoolExecutor(1, thread_name_prefix="jaxrl-rollout") if rl.overlap else None
-    ctx = RLContext(config, programs, sampler, eval_problems, sinks.evaluator, sinks.writer, sinks.samples,
-                    sinks.checkpointer, jax.random.fold_in(seed_key, 5), background, preempted)
     first_step = 1 if resume_step is None else resume_step + 1
+    producer = Producer(sampler, loop_state.prompts, first_step - 1, rl.steps, loop_state.carry_after_step)
+    ctx = RLContext(config, programs, sampler, eval_problems, sinks.evaluator, sinks.writer, sinks.samples,
+                    sinks.checkpointer, jax.random.fold_in(seed_key, 5), producer,
+                    {id(p): i for i, p in enumerate(train_problems)}, preempted)
     bar = progress.steps(first_step, rl.steps, "RL", config.progress)
     try:
         if rl.steps == 0:  # a warm-start-only run keeps its policy, for later runs to start from
             save(ctx, loop_state, 0, "done")
+        producer.publish(first_step - 1, loop_state.train, loop_state.controls)
         for step in bar:
             t0 = time.perf_counter()
-            loop_state, produced, from_background = take_rollout(ctx, loop_state, step)
-            # counted before the next step's rollout starts in the background (rl.overlap): its compilations
-            # would otherwise show here or not depending on how long this step's update takes
+            loop_state, produced = take_rollout(ctx, loop_state, step)
+            # counted before later steps' rollouts start on the producer's thread: their compilations would
+            # otherwise show here or not depending on how long this step's update takes
             compiled = compiled_programs()
-            idle_s = time.perf_counter() - t0 if from_background else 0.0
+            idle_s = time.perf_counter() - t0 if rl.staleness else 0.0
             loop_state, record = rl_step(ctx, loop_state, step, produced, compiled, idle_s)
             loop_state = finish_step(ctx, loop_state, step, record, t0)
+            producer.publish(step, loop_state.train, loop_state.controls)
             bar.set_postfix(progress_postfix(record, loop_state.last_accuracy))
     finally:
-        if background is not None:
-            background.shutdown(wait=True, cancel_futures=True)
+        producer.close()
         preempted.restore()  # also after an exception: the process gets its SIGTERM handler back
     return loop_state.train, loop_state.controls, loop_state.totals
 
@@ -162,35 +164,34 @@ def initial_loop_state(config: Config, warm_policy, train_problems, mesh, resume
         prompts.set_state(metadata["prompt_iterator"])
     totals = {"reward_timeouts_total": 0, "reward_errors_total": 0, "skipped_updates_total": 0,
               **metadata.get("totals", {})}
+    carry = metadata.get("partial_carry")
+    carry = None if carry is None else partial.carry_from_record(carry, train_problems)
     return LoopState(state, controls, ref_policy, prompts, prompts.get_state(), totals,
-                     metadata.get("consecutive_skips", 0))
+                     metadata.get("consecutive_skips", 0), carry)
 
 
-def take_rollout(ctx: RLContext, s: LoopState, step: int) -> tuple[LoopState, RolloutResult, bool]:
-    """Step's rollout: the background one (rl.overlap) once it is done, or one sampled now with the current
-    parameters (on-policy; scored in `rl_step`). Returns the state after it (`pending` taken, the prompt
-    iterator's position recorded), the rollout, and whether it came from the background."""
-    from_background = s.pending is not None
-    if from_background:
-        produced = s.pending.result()
-    else:
-        produced = sample_rollout(ctx.sampler, step, s.train, next(s.prompts), s.controls, s.ref_policy,
-                                  s.prompts, background=False)
-    s = dataclasses.replace(s, pending=None, iterator_after_step=s.prompts.get_state())
-    return s, produced, from_background
+def take_rollout(ctx: RLContext, s: LoopState, step: int) -> tuple[LoopState, RolloutResult]:
+    """Step's rollout from the producer (waiting for it), and the state after it: the prompt iterator's
+    position and partial rollouts' carry as they were after this step's rollout (what a checkpoint saves)."""
+    produced = ctx.producer.take(step)
+    s = dataclasses.replace(s, iterator_after_step=produced.iterator_state, carry_after_step=produced.carry)
+    return s, produced.result
 
 
 def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, compiled: int,
             idle_s: float) -> tuple[LoopState, dict[str, Any]]:
-    """One RL step on `produced`: rewards -> advantages -> (next rollout in the background) -> update ->
+    """One RL step on `produced`: log-probs -> rewards -> advantages -> update ->
     controllers. Returns the next loop state and the step's record (without evaluation and step time)."""
     config, programs, mesh = ctx.config, ctx.programs, ctx.sampler.generate.mesh
     rl = config.rl
     record: dict[str, Any] = {"phase": "rl", "step": step}
-    batch = batch_for_update(ctx, s, produced)
+    record.update(staleness_metrics(produced.versions, step, rl.staleness))
+    # dispatched: the device computes the log-probs (with the parameters to update) while the host scores
+    batch = rollout_batch(s.train, programs.logprobs, programs.values, produced.generation.rollout, rl.loss,
+                          s.controls, s.ref_policy, programs.pack, programs.token_stats)
     texts, local = produced.generation.texts, produced.generation.local
     t2 = time.perf_counter()
-    # on the host, while the device computes the log-probs (or already done in the background)
+    # on the host, while the device computes the log-probs (or already done on the producer's thread)
     scored = produced.scored
     if scored is None:
         scored = score_rollout(ctx.sampler, produced.problems, texts)
@@ -204,16 +205,10 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
         record["reward/greedy_mean"] = float(greedy_rewards.mean())
     jax.block_until_ready(batch)
     t4 = time.perf_counter()
-    logprobs_s = produced.logprobs_s + t4 - t3  # the background's wait (rl.overlap), then the main thread's
+    logprobs_s = t4 - t3  # the wait for the log-prob pass after scoring
     train_batch, prep_metrics = train_batch_of(ctx, batch, composed, greedy_rewards, step,
                                                produced.generation.episodes, seen.get("answer_ids"))
     log_samples(ctx, step, produced, composed, train_batch["advantages"])
-    if ctx.background is not None and not flushes_after(config, step) and not ctx.preempted:
-        # step + 1 is sampled, scored and its old_logp computed by the models from before this update,
-        # while it runs; its PPO ratio pi_theta / pi_old then spans the one-step lag
-        s = dataclasses.replace(s, drawn_with=(s.ref_policy, float(s.controls.temperature)), pending=(
-            ctx.background.submit(sample_rollout, ctx.sampler, step + 1, s.train, next(s.prompts), s.controls,
-                                  s.ref_policy, s.prompts, background=True)))
     warming_up = programs.critic_warmup is not None and step <= rl.critic.warmup_steps
     state, metrics = rl_update(s.train, programs.critic_warmup if warming_up else programs.update, train_batch,
                                s.controls, config, step, s.ref_policy if rl.loss.needs_full_kl else None,
@@ -231,23 +226,6 @@ def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, co
     record["sampler/compiled_programs"] = compiled
     record["sampler/prompt_length"] = int(local.prompt_valid.shape[1])
     return s, record
-
-
-def batch_for_update(ctx: RLContext, s: LoopState, produced: RolloutResult) -> dict:
-    """The rollout's log-probs (and values) under the models that sampled it: computed now (dispatched, the
-    device runs them while the host scores), or the background's, with `ref_logp` recomputed when the
-    reference policy or the temperature changed since it was drawn."""
-    programs, batch = ctx.programs, produced.batch
-    if batch is None:
-        return rollout_batch(s.train, programs.logprobs, programs.values, produced.generation.rollout,
-                             ctx.config.rl.loss, s.controls, s.ref_policy, programs.pack, programs.token_stats)
-    if "ref_logp" in batch and (s.drawn_with[0] is not s.ref_policy
-                                or s.drawn_with[1] != float(s.controls.temperature)):
-        # drawn before a reference reset or a temperature change: recomputed for the KL terms
-        extra = {"plan": batch["pack_plan"]} if "pack_plan" in batch else {}
-        batch = {**batch, "ref_logp": programs.logprobs(s.ref_policy, batch["tokens"], batch["prompt_valid"],
-                                                        s.controls.temperature, **extra)[0]}
-    return batch
 
 
 def gathered_rewards(produced: RolloutResult, scored: rewards.RewardResult, config: Config,
@@ -450,8 +428,8 @@ def step_timing(sample_s: float, reward_s: float, logprobs_s: float, update_s: f
     """Seconds per phase of an RL step (`time/*`, wall clock, written to timings.jsonl).
 
     sample_s, reward_s, logprobs_s: sampling, scoring and the wait for the log-probs (and values) after
-    scoring (with rl.overlap all three ran in the background during the previous step's update); update_s:
-    the optimizer steps; idle_s: the time the update side waited for its rollout (rl.overlap only).
+    scoring (with rl.max_staleness sampling and scoring ran on the producer's thread during earlier updates);
+    update_s: the optimizer steps; idle_s: the time the update side waited for its rollout (rl.max_staleness).
     """
     return {"time/sample_s": sample_s, "time/reward_s": reward_s, "time/logprobs_s": logprobs_s,
             "time/update_s": update_s, "time/idle_s": idle_s}
@@ -462,7 +440,7 @@ def finish_step(ctx: RLContext, s: LoopState, step: int, record: dict[str, Any],
     checkpoint (every `checkpoint.every` steps, the last, or on SIGTERM: then `Preempted` is raised)."""
     config = ctx.config
     if config.eval.every and step % config.eval.every == 0 and step != config.rl.steps:
-        flush(s)
+        ctx.producer.wait()  # the evaluation shares the device and the reward pool
         record.update(held_out.evaluate(s.train.policy, ctx.sampler.generate, ctx.eval_problems, ctx.evaluator,
                                         batch_size=config.eval.batch_size,
                                         max_new_tokens=config.rl.sampling.max_new_tokens))
@@ -483,20 +461,16 @@ def finish_step(ctx: RLContext, s: LoopState, step: int, record: dict[str, Any],
     return s
 
 
-def flush(s: LoopState) -> None:
-    """Wait for the background rollout (evaluation and checkpoints share the reward pool / need it done)."""
-    if s.pending is not None:
-        s.pending.result()
-
-
 def save(ctx: RLContext, s: LoopState, step: int, phase: str) -> None:
     """Checkpoint `s` after RL `step`; a non-finite state is never saved (`TrainingDiverged`)."""
-    flush(s)  # a rollout drawn for step + 1 is not in the checkpoint: a resumed run draws it again
+    ctx.producer.wait()  # rollouts drawn for later steps are not in the checkpoint: a resumed run draws them again
     arrays = resume.checkpoint_state(s.train, s.controls, s.ref_policy if ctx.keep_ref else None)
+    metadata = {"phase": phase, "rl_step": step, "prompt_iterator": s.iterator_after_step,
+                "totals": dict(s.totals), "consecutive_skips": s.consecutive_skips}
+    if s.carry_after_step is not None:
+        metadata["partial_carry"] = partial.carry_record(s.carry_after_step, ctx.problem_index)
     try:
-        ctx.checkpointer.save(step, arrays,
-                              {"phase": phase, "rl_step": step, "prompt_iterator": s.iterator_after_step,
-                               "totals": dict(s.totals), "consecutive_skips": s.consecutive_skips})
+        ctx.checkpointer.save(step, arrays, metadata)
     except NonFiniteState as e:  # never a checkpoint to resume from
         raise TrainingDiverged(f"RL step {step}: {e}; the last checkpoint in {ctx.checkpointer.directory} holds "
                                "the last good parameters") from None

@@ -1,8 +1,9 @@
 """One RL step's rollout: sample completions (more rounds with dynamic sampling, ReMax's greedy baseline),
 score them, and dispatch the log-probs (and values) of the models that sampled them (`rollout_batch`).
 
-With `rl.overlap` the whole of `sample_rollout` runs on a background thread during the previous step's
-update; it then scores and waits for the batch there too, so the update side finds it complete.
+With `rl.max_staleness` the whole of `sample_rollout` runs on the producer's thread (`jaxrl.loop.producer`)
+during earlier steps' updates, and scores there too; the trainer computes the log-probs (`rollout_batch`)
+with the parameters it updates.
 """
 
 from __future__ import annotations
@@ -28,18 +29,16 @@ from jaxrl.train import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class RolloutResult:
-    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings; with
-    rl.overlap also the log-probs (and values) of the models that sampled it."""
+    """One step's prompts, completions and (when scored where they were sampled) rewards, with timings."""
 
     problems: list
     generation: Generation
     scored: ScoredBatch | None
     sample_s: float
     reward_s: float
-    metrics: dict[str, float]  # dynamic sampling's
-    batch: dict | None = None  # `rollout_batch` under the sampling-time models (rl.overlap), else None
-    logprobs_s: float = 0.0  # the wait for that batch after scoring
+    metrics: dict[str, float]  # dynamic sampling's, partial rollouts'
     greedy_rewards: np.ndarray | None = None  # ReMax's baseline [P * G] (this process's rows), else None
+    versions: np.ndarray | None = None  # `[B, N]` int32 policy version of each sampled token, -1 elsewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,14 +127,13 @@ def rollout_batch(state: TrainState, logprob_fn, value_fn, rollout: Rollout, los
     return batch
 
 
-def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, controls: Controls, ref_policy,
-                   prompts_iter, background: bool) -> RolloutResult:
-    """Sample step's completions with `state.policy`: on the main thread, or (`background`) on the rollout
-    thread during the previous step's update, where the rewards are scored and the batch's log-probs (and
-    values) computed too, under the same models that sampled it. With dynamic sampling, more rounds of
-    prompts (drawn from `prompts_iter`) until the batch holds only informative groups."""
+def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, controls: Controls, prompts_iter,
+                   background: bool) -> RolloutResult:
+    """Sample step's completions with `state.policy`: on the main thread, or (`background`) on the producer's
+    thread, where the rewards are scored too. With dynamic sampling, more rounds of prompts (drawn from
+    `prompts_iter`) until the batch holds only informative groups."""
     config, rl = sampler.config, sampler.config.rl
-    programs, dynamic = sampler.programs, rl.dynamic_sampling.enabled
+    dynamic = rl.dynamic_sampling.enabled
     key = jax.random.fold_in(sampler.key, step)
     rounds, informative, sample_s, reward_s = [], [], 0.0, 0.0
     while True:
@@ -144,29 +142,20 @@ def sample_rollout(sampler: Sampler, step: int, state: TrainState, problems, con
         generation = sampler.generate(state.policy, problems, round_key, rl.sampling,
                                       controls.temperature, group_size=rl.group_size)
         t1 = time.perf_counter()
-        batch = None
-        if background and not dynamic:  # dispatched first: the device computes it while the host scores
-            batch = rollout_batch(state, programs.logprobs, programs.values, generation.rollout, rl.loss,
-                                  controls, ref_policy, programs.pack, programs.token_stats)
-        t2 = time.perf_counter()
         scored = score_rollout(sampler, problems, generation.texts) if background or dynamic else None
-        sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t2
+        sample_s, reward_s = sample_s + t1 - t0, reward_s + time.perf_counter() - t1
         rounds.append((problems, generation, scored))
         if not dynamic:
-            result = RolloutResult(problems, generation, scored, sample_s, reward_s, {})
-            return with_batch(with_baseline(sampler, result, state.policy, key), batch)
+            return with_baseline(sampler, RolloutResult(problems, generation, scored, sample_s, reward_s, {}),
+                                 state.policy, key)
         informative.append(dynamic_sampling.informative_groups(shaped_rewards(scored, generation, config).total,
                                                                rl.group_size))
         short = sum(int(f.sum()) for f in informative) < len(problems)
         if not process_max(int(short and len(rounds) < rl.dynamic_sampling.max_rounds)):
             break  # every process has its informative groups (or the rounds ran out)
         problems = next(prompts_iter)
-    result = with_baseline(sampler, dynamic_result(rounds, informative, sampler.generate, rl.group_size, sample_s,
-                                                   reward_s), state.policy, key)
-    if not background:
-        return result
-    return with_batch(result, rollout_batch(state, programs.logprobs, programs.values, result.generation.rollout,
-                                            rl.loss, controls, ref_policy, programs.pack, programs.token_stats))
+    return with_baseline(sampler, dynamic_result(rounds, informative, sampler.generate, rl.group_size, sample_s,
+                                                 reward_s), state.policy, key)
 
 
 def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> RolloutResult:
@@ -184,15 +173,6 @@ def with_baseline(sampler: Sampler, result: RolloutResult, policy, key) -> Rollo
     return dataclasses.replace(result, greedy_rewards=np.repeat(total, config.rl.group_size),
                                sample_s=result.sample_s + t1 - t0,
                                reward_s=result.reward_s + time.perf_counter() - t1)
-
-
-def with_batch(result: RolloutResult, batch: dict | None) -> RolloutResult:
-    """`result` holding `batch` once the device has computed it (the wait is its logprobs_s)."""
-    if batch is None:
-        return result
-    t0 = time.perf_counter()
-    jax.block_until_ready(batch)
-    return dataclasses.replace(result, batch=batch, logprobs_s=time.perf_counter() - t0)
 
 
 def selected_scores(scores: list[ScoredBatch], groups, group_size: int) -> ScoredBatch:

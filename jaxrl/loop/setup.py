@@ -254,7 +254,7 @@ def step_programs(config: Config) -> StepPrograms:
     step_args = dict(micro_batches=rl.micro_batches, norm_length=loss_config.norm_length or config.completion_tokens,
                      critic_optimizer=critic_optimizer, full_kl=loss_config.needs_full_kl)
     objective = losses.build_loss(loss_config, with_critic=with_critic)
-    step_args["donate"] = not rl.overlap
+    step_args["donate"] = not rl.staleness  # the producer samples with versions the update was given
     update = make_rl_step(optimizer, objective, **step_args)
     warmup = make_rl_step(optimizer, objective, update_policy=False, **step_args) if with_critic else None
     # the rollout's log-probs and values in rl.micro_batches groups of rows: the train step's activation bound

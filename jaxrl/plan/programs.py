@@ -278,13 +278,13 @@ def step_programs(config: Config, layout: models.Layout, model: ModelConfig | No
     objective = losses.build_loss(loss_config, with_critic=critic is not None)
     step = make_rl_step(optimizer, objective, micro_batches=rl.micro_batches,
                         norm_length=loss_config.norm_length or new, critic_optimizer=critic_optimizer,
-                        full_kl=full_kl, donate=not rl.overlap)
+                        full_kl=full_kl, donate=not rl.staleness)
     batch = _train_batch(config, mesh, minibatch, prompt_len, new, critic is not None)
     controls = jax.tree.map(lambda x: _scalar(mesh, x.dtype),
                             losses.Controls.initial(loss_config, rl.sampling.temperature))
     train_args = (state, batch, controls, ref_policy if full_kl else None)
     if full_kl and lora is not None:  # the reference is the state's own base with the adapters off, not a copy
-        step = _with_base_reference(step, donate=not rl.overlap)
+        step = _with_base_reference(step, donate=not rl.staleness)
         train_args = train_args[:3]
     used = ("policy", "optimizer", "critic", "critic_optimizer") + (("reference",) if full_kl else ())
     train_flops = 3 * _forward_flops(model, minibatch * total_len, total_len / 2) * (1 + (critic is not None))
