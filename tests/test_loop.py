@@ -14,7 +14,7 @@ import pytest
 
 from jaxrl import loop
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.loop import generate, progress, rl
+from jaxrl.loop import generate, producer, progress, rl
 from jaxrl.config import Config
 from jaxrl.configlib import load_config
 from jaxrl.metrics import read_metrics
@@ -28,11 +28,15 @@ def _config(out, *extra):
     return load_config(Config, "configs/default.yaml", [*TINY, "reward.num_workers=1", f"output_dir={out}", *extra])
 
 
-def test_overlap_in_a_multi_process_run_is_refused_before_the_output_dir_changes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting, error", [("rl.overlap=true", "rl.overlap .* 2 processes: set rl.overlap=false"),
+                                            ("rl.max_staleness=2", "rl.max_staleness .* 2 processes: set "
+                                                                   "rl.max_staleness=0")])
+def test_staleness_in_a_multi_process_run_is_refused_before_the_output_dir_changes(tmp_path, monkeypatch, setting,
+                                                                                   error):
     """Like every other config check: before the warm start, and before overwrite=true deletes a run."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="rl.overlap .* 2 processes: set rl.overlap=false"):
-        loop.run(_config(tmp_path / "run", "rl.overlap=true", "sft.steps=0"))
+    with pytest.raises(ValueError, match=error):
+        loop.run(_config(tmp_path / "run", setting, "sft.steps=0"))
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -51,8 +55,8 @@ def test_a_failed_run_gives_sigterm_back_and_counts_warm_start_steps_from_1(tmp_
 
 
 def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeypatch):
-    """`sampler/compiled_programs` is counted before the next step's rollout starts in the background, so it
-    does not depend on how long the update takes. Here every update outlasts that rollout's sampling, and a
+    """`sampler/compiled_programs` is counted on the producer's thread when the step's sampling ends, so it
+    does not depend on how long the update takes. Here every update outlasts the next rollout's sampling, and a
     stand-in counter counts sampler calls: one more each step."""
     calls, real_sample, real_update = [], generate.sample, rl.rl_update
 
@@ -70,7 +74,7 @@ def test_overlap_records_the_sampler_programs_of_its_own_steps(tmp_path, monkeyp
         return out
 
     monkeypatch.setattr(generate, "sample", counted_sample)
-    monkeypatch.setattr(rl, "compiled_programs", lambda: len(calls))
+    monkeypatch.setattr(producer, "compiled_programs", lambda: len(calls))
     monkeypatch.setattr(rl, "rl_update", slow_update)
     loop.run(_config(tmp_path, "rl.overlap=true", "rl.steps=3", "sft.steps=0", "rl.minibatches=1",
                      "rl.micro_batches=1", "rl.sampling.max_new_tokens=8"))

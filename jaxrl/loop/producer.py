@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxrl.loop import partial
 from jaxrl.loop.rollout import RolloutResult, Sampler, sample_rollout, score_rollout
+from jaxrl.sampling import compiled_programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Produced:
     version: int
     iterator_state: dict
     carry: partial.Carry | None
+    compiled: int  # sampler programs compiled so far, counted when this step's sampling ended
 
 
 def sampling_version(step: int, depth: int, start: int, checkpoint_every: int) -> int:
@@ -99,8 +101,11 @@ class Producer:
             t0 = time.perf_counter()
             scored = score_rollout(sampler, problems, generation.texts)
             result = RolloutResult(problems, generation, scored, sample_s, time.perf_counter() - t0, metrics)
+        # counted here, on the producer's thread before it starts the next step: counted on the update side,
+        # later steps' compilations would show or not depending on how long the update takes
+        compiled = compiled_programs()
         result = dataclasses.replace(result, versions=versions)
-        return Produced(result, version, self.prompts.get_state(), self.carry)
+        return Produced(result, version, self.prompts.get_state(), self.carry, compiled)
 
 
 def staleness_metrics(versions: np.ndarray, step: int, bound: int) -> dict[str, float]:

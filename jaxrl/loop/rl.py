@@ -31,14 +31,14 @@ from jaxrl.losses import Controls
 from jaxrl.loop import held_out, partial, progress, resume, self_rewards, setup
 from jaxrl.loop.episodes import episode_metrics, turn_credit_arrays
 from jaxrl.loop.generate import Generator
-from jaxrl.loop.producer import Producer, staleness_metrics
+from jaxrl.loop.producer import Produced, Producer, staleness_metrics
 from jaxrl.loop.rollout import RolloutResult, Sampler, rollout_batch, score_rollout, shaped_rewards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import lora
 from jaxrl.packing import host_rows
 from jaxrl.rewards.scoring import RewardScorer
 from jaxrl.samples import SampleLog, sequence_advantages
-from jaxrl.sampling import FINISH_LENGTH, compiled_programs
+from jaxrl.sampling import FINISH_LENGTH
 from jaxrl.sharding import (allgather, data_shard, from_process_local, gather, process_local, process_max,
                             process_rows, shard_batch)
 from jaxrl.train import TrainState, copy_policy
@@ -130,11 +130,8 @@ def train(warm_policy, config: Config, problems: tuple[list, list], generate: Ge
         for step in bar:
             t0 = time.perf_counter()
             loop_state, produced = take_rollout(ctx, loop_state, step)
-            # counted before later steps' rollouts start on the producer's thread: their compilations would
-            # otherwise show here or not depending on how long this step's update takes
-            compiled = compiled_programs()
             idle_s = time.perf_counter() - t0 if rl.staleness else 0.0
-            loop_state, record = rl_step(ctx, loop_state, step, produced, compiled, idle_s)
+            loop_state, record = rl_step(ctx, loop_state, step, produced.result, produced.compiled, idle_s)
             loop_state = finish_step(ctx, loop_state, step, record, t0)
             producer.publish(step, loop_state.train, loop_state.controls)
             bar.set_postfix(progress_postfix(record, loop_state.last_accuracy))
@@ -170,12 +167,12 @@ def initial_loop_state(config: Config, warm_policy, train_problems, mesh, resume
                      metadata.get("consecutive_skips", 0), carry)
 
 
-def take_rollout(ctx: RLContext, s: LoopState, step: int) -> tuple[LoopState, RolloutResult]:
+def take_rollout(ctx: RLContext, s: LoopState, step: int) -> tuple[LoopState, Produced]:
     """Step's rollout from the producer (waiting for it), and the state after it: the prompt iterator's
     position and partial rollouts' carry as they were after this step's rollout (what a checkpoint saves)."""
     produced = ctx.producer.take(step)
     s = dataclasses.replace(s, iterator_after_step=produced.iterator_state, carry_after_step=produced.carry)
-    return s, produced.result
+    return s, produced
 
 
 def rl_step(ctx: RLContext, s: LoopState, step: int, produced: RolloutResult, compiled: int,
