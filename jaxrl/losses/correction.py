@@ -19,6 +19,10 @@ quantities.
 | `is_floor` | `[0, 1)` | the lower bound (0: none) |
 | `is_veto` | None or `(0, 1)` | reject a whole sequence when any of its loss tokens' token ratio is below `is_veto` or above `1 / is_veto` |
 
+The veto is two-sided: verl's `rollout_token_veto_threshold` rejects on the lower side only (a token the trainer
+finds far less likely than the sampler did); the upper side also rejects a token the sampler drew at a
+probability far below the trainer's, whose weight would otherwise be huge (or silently truncated).
+
 Rejected tokens (MIS, the veto, M2PO's mask in `m2po_mask`) leave the loss: `prepare_batch` removes them from
 `loss_mask`, so every aggregation normalises over the kept tokens only (a row that loses every token drops out
 of the sequence means; `seq-mean-token-sum-norm` divides by a constant and is unchanged). Truncated tokens stay,

@@ -23,7 +23,7 @@ from jaxrl.registry import register
 sg = jax.lax.stop_gradient
 
 
-@register("objective", "m2po", second_moment_mask=True, ratio_clip=False)
+@register("objective", "m2po", second_moment_mask=True)
 def m2po(log_ratio, advantages, logp=None, mask=None, eps_low=None, eps_high=None, dual_clip_c=None):
     """M2PO: the unclipped importance-weighted policy gradient `-r A` on the tokens its mask keeps.
 
@@ -43,7 +43,7 @@ def m2po(log_ratio, advantages, logp=None, mask=None, eps_low=None, eps_high=Non
     return -clamped_ratio(log_ratio) * advantages, {}
 
 
-@register("objective", "sapo", config={"tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"}, ratio_clip=False)
+@register("objective", "sapo", config={"tau_pos": "sapo_tau_pos", "tau_neg": "sapo_tau_neg"})
 def sapo(log_ratio, advantages, logp=None, mask=None, eps_low=None, eps_high=None, dual_clip_c=None, *,
          tau_pos: float = 1.0, tau_neg: float = 1.05):
     """SAPO: a smooth, temperature-controlled gate instead of PPO's hard clip.
