@@ -44,7 +44,8 @@ class Episodes(NamedTuple):
     length: `[B]` int32, the episode's tokens so far (model and observation).
     tokens: `[B, T]` int32, the episode's tokens, then `pad_id`.
     model_mask: `[B, T]` bool, True on tokens the model sampled.
-    sampler_logp: `[B, T]` float32, each sampled token's log-prob under the sampling distribution (0 elsewhere).
+    sampler_logp: `[B, T]` float32, each sampled token's log-prob under the temperature-scaled unfiltered softmax
+      (as `sampling.Rollout.sampler_logp`; 0 elsewhere).
     policy_logp: `[B, T]` float32 under the unmodified policy (`SamplingConfig.policy_logp`), else a scalar 0.
     """
 

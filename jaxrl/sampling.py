@@ -42,6 +42,8 @@ class SamplingConfig:
 
     max_new_tokens: int = dataclasses.field(default=48, metadata={"gt": 0})
     temperature: float = dataclasses.field(default=1.0, metadata={"ge": 0})
+    # Filters of the distribution tokens are drawn from; the returned `sampler_logp` stay those of the unfiltered
+    # temperature-scaled softmax (`Rollout.sampler_logp`), which the trainer recomputes.
     top_k: int = dataclasses.field(default=0, metadata={"ge": 0})  # 0: off
     top_p: float = dataclasses.field(default=1.0, metadata={"gt": 0, "le": 1})  # 1.0: off
     min_p: float = dataclasses.field(default=0.0, metadata={"ge": 0, "lt": 1})  # 0.0: off
@@ -114,7 +116,10 @@ class Rollout(NamedTuple):
     tokens: `[B, Lp + N]` left-padded prompt followed by the completion (pad after it ends).
     prompt_valid: `[B, Lp]` bool, False on left padding.
     completion_mask: `[B, N]` bool, True on generated tokens up to and including EOS.
-    sampler_logp: `[B, N]` float32 log-prob of each sampled token under the sampling distribution.
+    sampler_logp: `[B, N]` float32 log-prob of each sampled token under the temperature-scaled, *unfiltered*
+      softmax: what the trainer's `completion_logprobs(..., temperature)` computes for the same parameters, so
+      importance weights against it are 1 on policy. Top-k / top-p / min-p only choose what is drawn (an
+      exploration scheme, as verl uses vLLM's raw log-probs); temperature 0: the softmax at temperature 1.
     finish_reason: `[B]` int, FINISH_EOS or FINISH_LENGTH.
     policy_logp: `[B, N]` float32 log-prob under the unmodified policy (`SamplingConfig.policy_logp`), or None.
     """
@@ -156,19 +161,31 @@ def filter_logits(logits: jax.Array, config: SamplingConfig, temperature: jax.Ar
 
 def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig,
                  temperature: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row of `logits [batch, vocab]`; returns `(tokens [batch], logp [batch])`."""
+    """Draw one token per row of `logits [batch, vocab]` from the filtered distribution (`filter_logits`);
+    returns `(tokens [batch], logp [batch])`, `logp` under the temperature-scaled *unfiltered* softmax (the
+    behaviour log-probs the trainer recomputes; temperature 0: the plain softmax of the greedy token)."""
     tokens, logp = _draw(logits, key, config, temperature)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def _draw(logits: jax.Array, key: jax.Array, config: SamplingConfig, temperature: jax.Array | None = None,
           uniform: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`(tokens [batch], log-probs [batch, vocab])` of `sample_token`; `uniform [batch, 1]` replaces the draw
+    """`(tokens [batch], log-probs [batch, vocab])` of `sample_token`: the tokens drawn from the filtered
+    distribution, the log-probs of the temperature-scaled unfiltered one; `uniform [batch, 1]` replaces the draw
     from `key` (the compacted decode's rows of the whole batch's draw)."""
     if config.temperature == 0.0:
         return first_max_index(logits), jax.nn.log_softmax(logits, axis=-1)
     logp = jax.nn.log_softmax(filter_logits(logits, config, temperature), axis=-1)
-    return inverse_cdf_sample(jnp.exp(logp), key, uniform=uniform), logp
+    tokens = inverse_cdf_sample(jnp.exp(logp), key, uniform=uniform)
+    if filters_on(config):  # drawn from the filtered distribution, scored under the unfiltered one
+        logp = jax.nn.log_softmax(logits / (config.temperature if temperature is None else temperature), axis=-1)
+    return tokens, logp
+
+
+def filters_on(config: SamplingConfig) -> bool:
+    """Whether top-k, top-p or min-p filtering is configured (a static check: without a filter, the log-probs of
+    the distribution drawn from are already those returned)."""
+    return bool(config.top_k) or config.top_p < 1.0 or config.min_p > 0.0
 
 
 def first_max_index(x: jax.Array) -> jax.Array:

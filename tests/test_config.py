@@ -170,7 +170,8 @@ def _float_fields(cls, prefix=""):
 
 FLOAT_FIELDS = sorted(_float_fields(Config))
 INFINITY_MEANS_SOMETHING = {"rl.optim.max_grad_norm", "sft.optim.max_grad_norm", "rl.critic.optim.max_grad_norm",
-                            "rl.loss.clip_eps_high"}  # no upper ratio clip (gpg's preset, issue 35)
+                            "rl.loss.clip_eps_high",  # no upper ratio clip (gpg's preset, issue 35)
+                            "rl.loss.is_cap"}  # no upper bound on the rollout correction's weights (issue 33)
 
 
 @pytest.mark.parametrize("path", FLOAT_FIELDS)

@@ -13,7 +13,7 @@ from jaxrl import advantages as adv
 from jaxrl import registry
 from jaxrl.advantages import AdvantageConfig
 from jaxrl.losses import (AGGREGATIONS, Controls, LossConfig, LossInputs, aggregate, build_loss, clip_cov_mask,
-                          kl_cov_mask, normalizers, prepare_batch, top_entropy_mask, truncated_is_weights,
+                          kl_cov_mask, normalizers, prepare_batch, rollout_correction, top_entropy_mask,
                           truncation_mask)
 
 TOL = 1e-5
@@ -520,8 +520,8 @@ def test_objectives_with_holes(name, dual):
 def test_truncated_is_weights_with_holes(level, mode):
     d = data(16)
     mask = d["mask"]
-    w, metrics = truncated_is_weights(jnp.asarray(d["old_logp"], jnp.float32), jnp.asarray(d["sampler_logp"],
-                                      jnp.float32), jnp.asarray(mask), level, mode, 1.5)
+    w, _, _ = rollout_correction(jnp.asarray(d["old_logp"], jnp.float32), jnp.asarray(d["sampler_logp"], jnp.float32),
+                                 jnp.asarray(mask), level=level, mode=mode, cap=1.5)
     out = []
     for lw in rows(d["old_logp"] - d["sampler_logp"], mask):
         if level == "sequence":
@@ -598,8 +598,8 @@ def test_prepare_batch_metrics_with_holes():
     close(metrics["logp_adv_cov"], ((flat_lp - flat_lp.mean()) * (flat_a - flat_a.mean())).mean())
     close(metrics["loss_tokens"], loss_mask.sum())
     lw = np.concatenate(rows(d["old_logp"] - d["sampler_logp"], loss_mask))
-    close(metrics["is_weight"], np.minimum(np.exp(lw), 1.5).mean())
-    close(metrics["is_capped"], (lw > np.log(1.5)).mean())
+    close(metrics["is_weight_mean"], np.minimum(np.exp(lw), 1.5).mean())
+    close(metrics["is_truncated_frac"], (lw > np.log(1.5)).mean())
     weights = np.asarray(fields["token_weights"])
     assert not weights[loss_mask == 0].any()
     close(metrics["weight_zero_frac"], (np.concatenate(rows(weights, loss_mask)) == 0).mean())

@@ -28,7 +28,7 @@ from jaxrl.losses import (AGGREGATIONS, KL_ESTIMATORS, PRESETS, Controls, LossCo
                           kl_estimate, kl_full, kl_k1, kl_k2, kl_k3, kl_term, logp_advantage_covariance,
                           mean_over_updates, normalizers, policy_term, ppo_clip, prepare_batch, reduce_metrics,
                           reinforce, sequence_log_ratio, sequence_token_log_ratio, token_log_ratio, token_mean,
-                          top_entropy_mask, truncated_is_weights, truncation_mask, value_loss, value_term)
+                          rollout_correction, top_entropy_mask, truncation_mask, value_loss, value_term)
 
 EPS_LOW, EPS_HIGH, DUAL_C, GMPO_EPS = 0.2, 0.28, 1.5, 0.4
 # Every kink of the pieces under test, in log-ratio space: ppo clip (0.8, 1.28, symmetric 1.2), dual clip
@@ -733,19 +733,22 @@ def test_truncated_is_weights_against_numpy():
     cap = 1.5
     for level in ("token", "sequence"):
         for mode in ("truncate", "mask"):
-            w, metrics = truncated_is_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), level, mode, cap)
+            w, keep, metrics = rollout_correction(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), level=level,
+                                                  mode=mode, cap=cap)
             ref_w, ref_capped = np_truncated_is(f64(old), f64(sampler), m, level, mode, cap)
             np.testing.assert_allclose(np.asarray(w), ref_w, rtol=1e-5, atol=1e-7)
-            np.testing.assert_array_equal(np.asarray(metrics["is_capped"]), ref_capped)
-            np.testing.assert_array_equal(np.asarray(metrics["is_weight"]), np.asarray(w))
+            name = "is_masked_frac" if mode == "mask" else "is_truncated_frac"
+            assert float(metrics[name]) == pytest.approx(ref_capped[m > 0].mean(), rel=1e-6)
+            np.testing.assert_array_equal(np.asarray(keep), m * (1 - ref_capped) if mode == "mask" else m)
             assert 0 < ref_capped.sum() < m.sum(), (level, mode)
-            g = jgrad(lambda o, s: jnp.sum(truncated_is_weights(o, s, jnp.asarray(m), level, mode, cap)[0]),
-                         argnums=(0, 1))(jnp.asarray(old), jnp.asarray(sampler))
+            g = jgrad(lambda o, s: jnp.sum(rollout_correction(o, s, jnp.asarray(m), level=level, mode=mode,
+                                                              cap=cap)[0]), argnums=(0, 1))(
+                jnp.asarray(old), jnp.asarray(sampler))
             assert all(np.all(np.asarray(x) == 0) for x in g)
     with pytest.raises(ValueError, match="token, sequence"):
-        truncated_is_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), "batch")
+        rollout_correction(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), level="batch")
     with pytest.raises(ValueError, match="truncate, mask"):
-        truncated_is_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), "token", "drop")
+        rollout_correction(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(m), level="token", mode="drop")
 
 
 # --------------------------------------------------------------------------- masks
@@ -1360,7 +1363,8 @@ def test_prepare_batch_token_weights_and_kl_cov_mask():
                                         "mask", 1.5)
     np.testing.assert_allclose(np.asarray(fields["token_weights"]), ref_w, rtol=1e-5, atol=1e-7)
     assert 0 < ref_capped.sum() < m.sum()
-    assert float(metrics["is_capped"]) == pytest.approx(ref_capped[m > 0].mean(), rel=1e-6)
+    assert float(metrics["is_masked_frac"]) == pytest.approx(ref_capped[m > 0].mean(), rel=1e-6)
+    np.testing.assert_array_equal(np.asarray(fields["loss_mask"]), m * (1 - ref_capped))  # rejected: out of the loss
     with pytest.raises(ValueError, match="sampler_logp"):
         prepare(cfg, batch, sampler_logp=None)
     # forking tokens

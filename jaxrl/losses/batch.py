@@ -2,8 +2,9 @@
 
 `prepare_batch` runs once per rollout batch, before it is split into mini- and micro-batches: advantages
 (any estimator of `jaxrl.advantages`, with a KL penalty optionally folded into the reward), the loss mask
-(overlong filtering), per-token weights (truncated importance sampling, forking-token and Clip-Cov
-selections) and the KL-Cov selection. Inputs are `[B, N]` (`[B]` for rewards); pure and jit-able with
+(overlong filtering, and the tokens the rollout correction or M2PO reject), per-token weights (importance
+weights against the sampler, `jaxrl.losses.correction`; forking-token and Clip-Cov selections) and the KL-Cov
+selection. Inputs are `[B, N]` (`[B]` for rewards); pure and jit-able with
 `config` and `group_size` static.
 """
 
@@ -16,8 +17,9 @@ from jaxrl import advantages as adv
 from jaxrl.losses.config import LossConfig
 from jaxrl.losses.masks import (clip_cov_mask, kl_cov_mask, logp_advantage_covariance, top_entropy_mask,
                                 truncation_mask)
-from jaxrl.losses.policy import truncated_is_weights
+from jaxrl.losses.correction import m2po_mask, mismatch_metrics, rollout_correction
 from jaxrl.losses.regularizers import kl_estimate
+from jaxrl.registry import resolve
 
 def _mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     m = mask.astype(jnp.float32)
@@ -51,8 +53,11 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
       rewards: `[B]` sequence rewards, groups of `group_size` contiguous.
       completion_mask: `[B, N]` generated tokens: the model's tokens only (a multi-turn episode's observation
         tokens are holes in it; every piece here gives on the model tokens what it gives on the compacted rows).
-      old_logp, entropy, ref_logp, sampler_logp, values: `[B, N]`, from the sampling-time policy, the
-        reference, the sampler and the critic; each needed only by the pieces that use it.
+      old_logp, entropy, ref_logp, sampler_logp, values: `[B, N]`: `old_logp` under the policy about to be
+        updated (recomputed by the trainer), `sampler_logp` under the policy version that sampled each token
+        (temperature-scaled, unfiltered), and the entropy, the reference's and the critic's; each needed only by
+        the pieces that use it. With `sampler_logp`, the sampler/trainer agreement metrics are always reported
+        (`correction.mismatch_metrics`).
       truncated: `[B]` bool, completions that hit the length limit (for `mask_truncated`).
       greedy_rewards, components, component_weights: for the `remax` and per-component estimators.
       token_rewards, turn_ids: `[B, N]` (float32, int32) each turn's reward on its last model token and the
@@ -64,7 +69,9 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
 
     Returns:
       `(fields, metrics)`: fields `advantages [B, N]`, `loss_mask [B, N]`, and when used `token_weights`,
-      `kl_cov_mask`, `returns` (all `[B, N]` float32); scalar metrics of the batch.
+      `kl_cov_mask`, `returns` (all `[B, N]` float32); scalar metrics of the batch. The advantages are computed on
+      the completion mask; the tokens the rollout correction (MIS, the veto) or M2PO's mask reject are then
+      removed from `loss_mask`, so every aggregation normalises over the kept tokens only.
     """
     mask = completion_mask.astype(jnp.float32)
     metrics: dict[str, jax.Array] = {}
@@ -87,6 +94,24 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
                                       values=values, greedy_rewards=greedy_rewards, components=components,
                                       component_weights=component_weights, token_penalty=token_penalty,
                                       token_rewards=token_rewards, turn_ids=turn_ids, answer_ids=answer_ids)
+    second_moment = resolve("objective", config.objective, "rl.loss.objective").info.get("second_moment_mask")
+    needs_sampler = config.is_level != "none" or config.is_veto is not None or second_moment
+    if needs_sampler and sampler_logp is None:
+        raise ValueError(f"is_level {config.is_level!r}, is_veto and objective 'm2po' need the sampler's log-probs "
+                         "(sampler_logp)")
+    is_weights = None
+    if sampler_logp is not None:  # issue 33: agreement metrics, then the correction (a whole-batch quantity)
+        metrics.update(mismatch_metrics(old_logp, sampler_logp, mask))
+        if config.is_level != "none" or config.is_veto is not None:
+            is_weights, keep, is_metrics = rollout_correction(
+                old_logp, sampler_logp, loss_mask, level=config.is_level, mode=config.is_mode, floor=config.is_floor,
+                cap=config.is_cap, veto=config.is_veto)
+            loss_mask = loss_mask * keep
+            metrics.update(is_metrics)
+        if second_moment:
+            keep, m2_metrics = m2po_mask(old_logp - sampler_logp, loss_mask, config.m2po_tau)
+            loss_mask = loss_mask * keep
+            metrics.update(m2_metrics)
     if config.gpg_correction:  # issue 35: GPG's alpha, a whole-batch count (before the batch is split)
         advantages, metrics["gpg_alpha"] = gpg_alpha(advantages, loss_mask)
     fields = {"advantages": advantages, "loss_mask": loss_mask}
@@ -95,12 +120,7 @@ def prepare_batch(config: LossConfig, *, rewards: jax.Array, completion_mask: ja
 
     weights = jnp.ones_like(mask)
     if config.is_level != "none":
-        if sampler_logp is None:
-            raise ValueError(f"is_level {config.is_level!r} needs the sampler's log-probs (sampler_logp)")
-        is_weights, is_metrics = truncated_is_weights(old_logp, sampler_logp, loss_mask, config.is_level,
-                                                      config.is_mode, config.is_cap)
         weights = weights * is_weights
-        metrics.update({name: _mean(value, loss_mask) for name, value in is_metrics.items()})
     if config.top_entropy_fraction is not None:
         if entropy is None:
             raise ValueError("top_entropy_fraction needs the rollout's per-token entropy")

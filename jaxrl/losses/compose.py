@@ -249,7 +249,12 @@ def build_loss(config: LossConfig, *, with_critic: bool = False) -> Term:
     """The loss a `LossConfig` describes (the value term only when a critic is trained; `config.terms`, the
     user's own registered terms, last)."""
     agg = config.aggregation
-    terms = [policy_term(config.objective, config.ratio, agg, config.clip_eps_low, config.clip_eps_high,
+    entry = registry.resolve("objective", config.objective, "rl.loss.objective")
+    objective = config.objective
+    if entry.info.get("config"):  # the objective's own parameters, bound from their LossConfig fields (SAPO)
+        bound = {kw: getattr(config, field) for kw, field in entry.info["config"].items()}
+        objective = functools.partial(entry.fn, **bound)
+    terms = [policy_term(objective, config.ratio, agg, config.clip_eps_low, config.clip_eps_high,
                          config.dual_clip_c)]
     if config.kl_coef and not config.kl_in_reward:
         terms.append(kl_term(config.kl_coef, config.kl_estimator, config.kl_target, agg))

@@ -19,13 +19,15 @@ from typing import Any, ClassVar, Literal, get_args
 from jaxrl import registry
 from jaxrl.advantages import AdvantageConfig
 from jaxrl.losses.aggregation import Aggregation
+from jaxrl.losses.correction import ISLevel, ISMode
 from jaxrl.losses.regularizers import K1_AS_LOSS, KLEstimator
 
 Preset = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "gmpo", "ppo", "rloo", "reinforce_pp", "clip_cov",
                  "kl_cov",
                  "gpg", "bapo", "dcpo", "aspo", "cpgd",  # issue 35, policy updates (jaxrl.losses.updates)
                  # issue 35, advantage and entropy methods (jaxrl.advantage_shaping)
-                 "bnpo", "w_reinforce", "passk", "empg", "seed_grpo"]
+                 "bnpo", "w_reinforce", "passk", "empg", "seed_grpo",
+                 "m2po", "sapo", "aipo"]  # issue 33, objectives for stale data (jaxrl.losses.stale)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (Shao et al. 2024, arXiv 2402.03300): group-normalised advantages, sequence-mean loss,
@@ -105,6 +107,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     # with answers=True (math, arithmetic).
     "seed_grpo": dict(advantage={"estimator": "seed_grpo", "seed_alpha": 1.0}, clip_eps_low=0.2,
                       clip_eps_high=0.2, aggregation="token-mean"),
+    # --- issue 33, objectives for stale data (jaxrl.losses.stale) ---
+    # M2PO (Zheng et al. 2025, arXiv 2510.01161): -r A without a clip, the tokens of the largest squared log IS
+    # ratio masked over the batch until its second moment is <= tau_M2 = 0.04 (the authors' scripts), token-mean.
+    "m2po": dict(objective="m2po", m2po_tau=0.04, aggregation="token-mean"),
+    # SAPO (Gao et al. 2025, arXiv 2511.20347): soft gate (4 / tau) sigmoid(tau (r - 1)), tau_pos 1.0 and
+    # tau_neg 1.05 (the paper's defaults), each sequence's tokens averaged then the sequences.
+    "sapo": dict(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
+    # AIPO (LlamaRL, arXiv 2505.24034): a policy gradient weighted by the importance ratio to the sampler,
+    # truncated from above only at rho: CISPO's detached weight with no lower bound (clip_eps_low 1) times the
+    # token-level truncated weight min(pi_old / pi_sampler, rho); on a batch's first update (pi = pi_old) the
+    # weight is exactly min(pi / pi_sampler, rho). rho = 2 is our choice (not checked against the paper).
+    "aipo": dict(objective="cispo", clip_eps_low=1.0, clip_eps_high=1.0, is_level="token", is_mode="truncate",
+                 is_cap=2.0, aggregation="token-mean"),
 }
 assert set(PRESETS) == set(get_args(Preset))
 
@@ -134,10 +149,13 @@ class LossConfig:
     # Aggregation over tokens (normalised by whole-batch counts).
     aggregation: Aggregation = "token-mean"
     norm_length: int | None = _field(None, gt=0)  # seq-mean-token-sum-norm constant (default: max_new_tokens)
-    # Truncated importance sampling against the sampler's log-probs.
-    is_level: Literal["none", "token", "sequence"] = "none"
-    is_mode: Literal["truncate", "mask"] = "truncate"
-    is_cap: float = _field(2.0, gt=1)
+    # Rollout correction against the sampler's log-probs (jaxrl.losses.correction): weights pi_old / pi_sampler
+    # at a level, truncated into [is_floor, is_cap] or masked outside it, and the sequence veto.
+    is_level: ISLevel = "none"  # none, token, sequence (product), geometric (exp of the mean log ratio)
+    is_mode: ISMode = "truncate"  # truncate (TIS) or mask (MIS: the rejected tokens leave the loss)
+    is_cap: float = _field(2.0, gt=1, le=math.inf)  # upper bound; .inf: none
+    is_floor: float = _field(0.0, ge=0, lt=1)  # lower bound; 0: none
+    is_veto: float | None = _field(None, gt=0, lt=1)  # reject a sequence with a token ratio < veto or > 1 / veto
     # Token masks.
     mask_truncated: bool = False  # overlong filtering: no loss on completions that hit max_new_tokens
     top_entropy_fraction: float | None = _field(None, gt=0, le=1)  # train only on the highest-entropy tokens
@@ -173,6 +191,10 @@ class LossConfig:
     bapo_high_max: float = _field(3.0, gt=1)
     bapo_step_low: float = _field(0.05, gt=0)
     bapo_step_high: float = _field(0.05, gt=0)
+    # Issue 33, objectives for stale data (jaxrl.losses.stale).
+    m2po_tau: float = _field(0.04, gt=0)  # M2PO: bound on the second moment of the kept tokens' log IS ratios
+    sapo_tau_pos: float = _field(1.0, gt=0)  # SAPO: gate temperature for A > 0
+    sapo_tau_neg: float = _field(1.05, gt=0)  # SAPO: gate temperature for A <= 0
     # Value loss (with a critic).
     value_coef: float = _field(0.5, ge=0)
     value_clip_eps: float | None = _field(0.2, gt=0)

@@ -30,8 +30,6 @@ The second wave's objectives (`gpg`, `bapo`, `dcpo`, `aspo`, `cpgd`) live in `ja
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
@@ -150,33 +148,3 @@ def gmpo(log_ratio, advantages, logp=None, mask=None, eps_low=0.4, eps_high=0.4,
     metrics = {"clip_frac_low": (was_clipped & (log_ratio < -eps_low)).astype(jnp.float32),
                "clip_frac_high": (was_clipped & (log_ratio > eps_high)).astype(jnp.float32)}
     return loss, metrics
-
-
-def truncated_is_weights(old_logp: jax.Array, sampler_logp: jax.Array, mask: jax.Array,
-                         level: Literal["token", "sequence"] = "token",
-                         mode: Literal["truncate", "mask"] = "truncate", cap: float = 2.0):
-    """Importance weights `pi_old / pi_sampler` correcting a sampler/trainer mismatch (no gradient).
-
-    Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"): `level="token"` weighs each token by its own ratio, `"sequence"` by the product of the
-    sequence's ratios; `mode="truncate"` caps the weight at `cap`, `"mask"` zeroes tokens (sequences)
-    whose weight exceeds it (masked IS).
-
-    Returns `(weights [B, N], metrics)`: `is_weight` (per token) and `is_capped` (indicator).
-    """
-    valid = mask.astype(bool)
-    log_w = jnp.where(valid, sg(old_logp) - sg(sampler_logp), 0.0)
-    if level == "sequence":
-        log_w = jnp.where(valid, jnp.sum(log_w, axis=1, keepdims=True), 0.0)
-    elif level != "token":
-        raise ValueError(f"unknown importance-sampling level {level!r}; valid choices: token, sequence")
-    log_cap = jnp.log(cap)
-    capped = log_w > log_cap
-    if mode == "truncate":
-        weights = jnp.exp(jnp.minimum(log_w, log_cap))
-    elif mode == "mask":
-        weights = jnp.where(capped, 0.0, jnp.exp(jnp.minimum(log_w, log_cap)))
-    else:
-        raise ValueError(f"unknown importance-sampling mode {mode!r}; valid choices: truncate, mask")
-    weights = jnp.where(valid, weights, 0.0)
-    return weights, {"is_weight": weights, "is_capped": (capped & valid).astype(jnp.float32)}
