@@ -240,7 +240,7 @@ def test_m2po_loss_against_numpy():
     ref_keep = np_m2po_keep(d["old"] - d["sampler"], d["mask"], 0.1)
     np.testing.assert_array_equal(np.asarray(fields["loss_mask"]), ref_keep)
     a = np.asarray(fields["advantages"], np.float64)
-    r = np.exp(d["logp"] - d["old"])
+    r = np.exp(d["logp"] - d["sampler"])  # the ratio to the policy that sampled: pi / pi_old times pi_old / pi_sampler
     logp = f32(d["logp"])
     value, _ = full_loss(cfg, fields, logp, d["old"])
     assert float(value) == pytest.approx(np_aggregate(-r * a, ref_keep, "token-mean"), rel=1e-5)  # no clip

@@ -148,7 +148,7 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
         stale = {r["step"]: r["offpolicy/staleness_max"] for r in records}
         assert max(stale.values()) == 2 and stale[1] == 0, stale  # the bound is reached, never passed
         assert sum(r["partial/carried_trained"] for r in records) > 0  # carried groups were trained
-        assert all(abs(r["batch/is_weight"] - 1) < 0.5 for r in records)  # the correction saw the lag
+        assert all(abs(r["batch/is_weight_mean"] - 1) < 0.5 for r in records)  # the correction saw the lag
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path):
     """A preemption notice: the step in progress finishes, its checkpoint is written, the process exits 143."""
     out = tmp_path / "preempted"

@@ -111,6 +111,10 @@ def train(warm_policy, config: Config, problems: tuple[list, list], generate: Ge
     """
     rl = config.rl
     train_problems, eval_problems = problems
+    if rl.staleness and rl.loss.is_level == "none":
+        log.warning("rl.max_staleness = %d without a rollout correction (rl.loss.is_level: none): tokens up to %d "
+                    "policy versions old are trained as if the policy being updated had sampled them; see "
+                    "configs/off_policy.yaml for a corrected recipe", rl.staleness, rl.staleness)
     programs = setup.step_programs(config)
     loop_state = initial_loop_state(config, warm_policy, train_problems, generate.mesh, resume_step, resumed,
                                     critic_trunk)

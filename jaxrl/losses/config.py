@@ -108,16 +108,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "seed_grpo": dict(advantage={"estimator": "seed_grpo", "seed_alpha": 1.0}, clip_eps_low=0.2,
                       clip_eps_high=0.2, aggregation="token-mean"),
     # --- issue 33, objectives for stale data (jaxrl.losses.stale) ---
-    # M2PO (Zheng et al. 2025, arXiv 2510.01161): -r A without a clip, the tokens of the largest squared log IS
-    # ratio masked over the batch until its second moment is <= tau_M2 = 0.04 (the authors' scripts), token-mean.
-    "m2po": dict(objective="m2po", m2po_tau=0.04, aggregation="token-mean"),
+    # M2PO (Zheng et al. 2025, arXiv 2510.01161): -(pi / pi_sampler) A without a clip (the objective's pi / pi_old
+    # times the untruncated token weight pi_old / pi_sampler), the tokens of the largest squared log IS ratio
+    # masked over the batch until its second moment is <= tau_M2 = 0.04 (the authors' scripts), token-mean.
+    "m2po": dict(objective="m2po", m2po_tau=0.04, is_level="token", is_mode="truncate", is_cap=math.inf,
+                 aggregation="token-mean"),
     # SAPO (Gao et al. 2025, arXiv 2511.20347): soft gate (4 / tau) sigmoid(tau (r - 1)), tau_pos 1.0 and
-    # tau_neg 1.05 (the paper's defaults), each sequence's tokens averaged then the sequences.
+    # tau_neg 1.05 (as AReaL's and ms-swift's docs give the paper's; not checked against the paper itself), each
+    # sequence's tokens averaged then the sequences.
     "sapo": dict(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
     # AIPO (LlamaRL, arXiv 2505.24034): a policy gradient weighted by the importance ratio to the sampler,
     # truncated from above only at rho: CISPO's detached weight with no lower bound (clip_eps_low 1) times the
     # token-level truncated weight min(pi_old / pi_sampler, rho); on a batch's first update (pi = pi_old) the
-    # weight is exactly min(pi / pi_sampler, rho). rho = 2 is our choice (not checked against the paper).
+    # weight is exactly min(pi / pi_sampler, rho). rho = 2 is our choice. The form is our reading of the method (an
+    # asymmetric IS clip, which the issue accepts), not checked against the paper's text.
     "aipo": dict(objective="cispo", clip_eps_low=1.0, clip_eps_high=1.0, is_level="token", is_mode="truncate",
                  is_cap=2.0, aggregation="token-mean"),
 }

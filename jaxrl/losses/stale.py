@@ -25,7 +25,8 @@ sg = jax.lax.stop_gradient
 
 @register("objective", "m2po", second_moment_mask=True)
 def m2po(log_ratio, advantages, logp=None, mask=None, eps_low=None, eps_high=None, dual_clip_c=None):
-    """M2PO: the unclipped importance-weighted policy gradient `-r A` on the tokens its mask keeps.
+    """M2PO: the unclipped importance-weighted policy gradient `-r A` on the tokens its mask keeps (the preset
+    adds the untruncated token weight `pi_old / pi_sampler`, so the loss is `-(pi_theta / pi_sampler) A`).
 
     Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
     arXiv 2510.01161: `J = 1/sum|o_i| sum_i sum_t M_it r_it A_it` with no PPO clip, where the mask M bounds the
@@ -50,7 +51,7 @@ def sapo(log_ratio, advantages, logp=None, mask=None, eps_low=None, eps_high=Non
 
     Gao et al. 2025 (Qwen), "Soft Adaptive Policy Optimization", arXiv 2511.20347: the token's surrogate is
     `f(r) A` with `f(r) = (4 / tau) sigmoid(tau (r - 1))`, `tau = tau_pos` for A > 0 and `tau_neg` otherwise
-    (defaults 1.0 and 1.05, the paper's; tau_neg > tau_pos damps the negative tokens' updates faster). Its
+    (defaults 1.0 and 1.05, the paper's as AReaL's and ms-swift's docs give them; tau_neg > tau_pos damps the negative tokens' updates faster). Its
     gradient is `4 s (1 - s) r A grad log pi` with `s = sigmoid(tau (r - 1))`: exactly the policy gradient on
     policy (r = 1), decaying smoothly as r leaves 1 in either direction. The loss value at r = 1 is `-2 A / tau`.
     The paper averages each sequence's tokens, then the sequences (`aggregation: seq-mean-token-mean`, the
