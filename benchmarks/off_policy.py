@@ -2,7 +2,7 @@
 
     python benchmarks/off_policy.py staleness [--seeds 1 2 3 4] [--modes k0 k1 k2 k4 k2_nocorr k4_nocorr]
                                               [--root runs/off-policy] [key=value ...]
-    python benchmarks/off_policy.py partial [--steps 24] [--root runs/partial-rollouts] [key=value ...]
+    python benchmarks/off_policy.py partial [--steps 30] [--skip 6] [--root runs/partial-rollouts] [key=value ...]
 
 `staleness` runs the default recipe (a fresh `jaxrl train` process per run; a run whose summary.json exists
 is read, not rerun) for every mode and seed: `kK` is `rl.max_staleness=K` with token-level truncated IS
@@ -15,7 +15,7 @@ near-uniform next-token distribution ends a completion with probability about 1/
 roughly geometric, mean about 32) and `max_new_tokens` 256. Every sequence a batch of 128 waits for is then
 the longest of 128 such draws. It runs, back to back in one invocation: on-policy (`k0`), one-step staleness
 (`k1`), and partial rollouts with segments of 32 tokens at staleness 1 and 2 (`k1_partial`, `k2_partial`).
-It prints the RL step time p50/p95 (steps after the first 3, which compile), the completion lengths
+It prints the RL step time p50/p95 (steps after the first `--skip`, which compile), the completion lengths
 and the sampled rows per step.
 """
 
@@ -99,7 +99,7 @@ def partial(args) -> None:
     for mode, overrides in PARTIAL_MODES.items():
         out = os.path.join(args.root, mode)
         train(out, [f"rl.steps={args.steps}", *PARTIAL_WORKLOAD, *overrides, *args.overrides])
-        times = step_times(out, skip=3)
+        times = step_times(out, skip=args.skip)
         records = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("phase") == "rl"
                    and "reward/mean" in r]
         result[mode] = {"step_s_p50": float(np.percentile(times, 50)), "step_s_p95": float(np.percentile(times, 95)),
@@ -125,7 +125,8 @@ def main() -> None:
     sweep.add_argument("--root", default="runs/off-policy")
     sweep.add_argument("overrides", nargs="*", metavar="key=value")
     tail = commands.add_parser("partial")
-    tail.add_argument("--steps", type=int, default=24)
+    tail.add_argument("--steps", type=int, default=30)
+    tail.add_argument("--skip", type=int, default=6, help="first steps left out of the times (they compile)")
     tail.add_argument("--root", default="runs/partial-rollouts")
     tail.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()

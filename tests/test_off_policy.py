@@ -79,7 +79,7 @@ class _FakeRun:
         parts = [self._segment(0, self.lengths[p.index][g]) for p in problems for g in range(group_size)]
         return Generation(None, self._rollout(prompts, parts), [])
 
-    def continue_rows(self, policy, rows, key, config, temperature, lengths):
+    def continue_rows(self, policy, rows, key, config, temperature, lengths, row_counts):
         self.calls.append(("continue", len(rows)))
         parts = []
         for row in rows:  # the prompt identifies the problem; the completion so far, how far it got

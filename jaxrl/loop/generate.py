@@ -97,18 +97,19 @@ class Generator:
 
 
     def continue_rows(self, policy, rows: Sequence[np.ndarray], rng, config: SamplingConfig, temperature=None,
-                      lengths: Sequence[int] = ()) -> Rollout:
+                      lengths: Sequence[int] = (), row_counts: Sequence[int] = ()) -> Rollout:
         """Sample one continuation of each of `rows` (a prompt and the completion so far, token ids `[T_i]`) with
         `config` (its `max_new_tokens` the segment); returns this process's rollout as numpy, a row per row.
 
         Single-process (partial rollouts run on the producer thread of a one-process run). The batch is padded
-        to a power of two rows (copies of the first, dropped after) and its length to `lengths`, the first
-        that fits (else a multiple of 8), so a run compiles few sampler programs."""
+        to the first of `row_counts` that holds it (copies of the first row, dropped after; else a power of two)
+        and its length to the first of `lengths` that fits (else a multiple of 8), so a run compiles few sampler
+        programs."""
         longest = max(map(len, rows))
-        length = next((n for n in lengths if n >= longest), round_up(longest, 8))
+        length = next((n for n in sorted(lengths) if n >= longest), round_up(longest, 8))
         parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        count = max(1 << (len(rows) - 1).bit_length(), parallel)
-        count = round_up(count, parallel)
+        count = next((n for n in sorted(row_counts) if n >= len(rows)), 1 << (len(rows) - 1).bit_length())
+        count = round_up(max(count, parallel), parallel)
         padded = list(rows) + [rows[0]] * (count - len(rows))
         tokens, valid = left_pad(padded, length, self.tokenizer.pad_id)
         tokens, valid = from_process_local((tokens, valid), self.mesh)

@@ -151,9 +151,12 @@ def _continue(generate, policy, groups: list[Group], segment, temperature, key, 
     if not at:
         return groups, 0
     rows = [np.concatenate([groups[g].rows[r].prompt, groups[g].rows[r].tokens]) for g, r in at]
-    lengths = tuple(generate.prompt_lengths) + tuple(generate.prompt_length + j * segment.max_new_tokens
-                                                     for j in range(1, max_new // segment.max_new_tokens))
-    out = generate.continue_rows(policy, rows, key, segment, temperature, lengths)
+    # few shapes, so few compiled programs: two lengths (a carried row holds at most max_new - segment tokens)
+    # and three row counts (a quarter, half or all of the rows in flight)
+    lengths = (generate.prompt_length + max_new // 2, generate.prompt_length + max_new - segment.max_new_tokens)
+    in_flight = sum(len(g.rows) for g in groups)
+    out = generate.continue_rows(policy, rows, key, segment, temperature, lengths,
+                                 (-(-in_flight // 4), -(-in_flight // 2), in_flight))
     groups = list(groups)
     for i, (g, r) in enumerate(at):
         row = extended(groups[g].rows[r], out.completion_tokens[i], out.sampler_logp[i], out.completion_mask[i],
