@@ -189,19 +189,23 @@ def _generation(generate, groups: list[Group], max_new: int) -> tuple[Generation
 
 def carry_record(carry: Carry, index_of: dict[int, int]) -> dict:
     """`carry` as JSON-able data for a checkpoint's metadata: problems by their index in the training set."""
-    def row(r: Row) -> dict:
-        return {"prompt": r.prompt.tolist(), "tokens": r.tokens.tolist(), "logp": r.logp.tolist(),
-                "versions": r.versions.tolist(), "finish": r.finish}
     return {"groups": [{"problem": index_of[id(g.problem)], "started": g.started, "carried": g.carried,
-                        "rows": [row(r) for r in g.rows]} for g in carry.groups],
+                        "rows": [_row_record(r) for r in g.rows]} for g in carry.groups],
             "queued": [index_of[id(p)] for p in carry.queued]}
 
 
 def carry_from_record(record: dict, problems: list) -> Carry:
     """The `Carry` that `carry_record` saved, its problems taken from the training set `problems`."""
-    def row(r: dict) -> Row:
-        return Row(np.asarray(r["prompt"], np.int32), np.asarray(r["tokens"], np.int32),
-                   np.asarray(r["logp"], np.float32), np.asarray(r["versions"], np.int32), r["finish"])
-    groups = tuple(Group(problems[g["problem"]], tuple(row(r) for r in g["rows"]), g["started"], g["carried"])
-                   for g in record["groups"])
+    groups = tuple(Group(problems[g["problem"]], tuple(_row_from_record(r) for r in g["rows"]), g["started"],
+                         g["carried"]) for g in record["groups"])
     return Carry(groups, tuple(problems[i] for i in record["queued"]))
+
+
+def _row_record(row: Row) -> dict:
+    return {"prompt": row.prompt.tolist(), "tokens": row.tokens.tolist(), "logp": row.logp.tolist(),
+            "versions": row.versions.tolist(), "finish": row.finish}
+
+
+def _row_from_record(record: dict) -> Row:
+    return Row(np.asarray(record["prompt"], np.int32), np.asarray(record["tokens"], np.int32),
+               np.asarray(record["logp"], np.float32), np.asarray(record["versions"], np.int32), record["finish"])
