@@ -15,7 +15,8 @@ segments the host reads the `[batch]` finished flags and gathers the live rows i
 that holds them (`compacted_layout`: prompt slots of `G'` rows, each slot sharing its prompt's cache), so a
 long-tailed batch stops decoding its short rows' padding. Each step still draws the whole batch's uniforms and
 takes the live rows' share, so the tokens are those of the single program (`_sample`). Compiles stay bounded:
-one segment program and one finishing program per batch shape met, one compaction program per pair of shapes.
+a decode program per segment and batch shape met, a finishing program per batch shape, and a gather (no model
+in it, quick to compile) per pair of shapes.
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ class SamplingConfig:
     compaction: bool = True
     # The batch sizes (sequences) a compacted decode may run at; the largest must cover the batch (prompts *
     # group_size), and under a sharded policy each must be a multiple of the data-parallel size. Empty: the
-    # batch and its halvings (`default_batch_buckets`).
+    # batch, its halvings and three quarters of each (`default_batch_buckets`: 64, 48, 32, 24, 16, 12, ...).
     batch_buckets: tuple[int, ...] = ()
     # With compaction, the decode runs in up to this many segments instead of `decode_segments` (at least
     # `MIN_SEGMENT_STEPS` steps each): finished rows are dropped after each, so more segments drop them sooner, at
-    # the price of more programs to compile. On the ragged bench-small workload (2-core CPU, 2026-11-27) 8 gave
-    # 1.69x the single program's useful tokens/s; 16 was no faster (19.0 s vs 19.9 s per call) and compiles
+    # the price of more programs to compile. On the ragged bench-small workload (2-core CPU, 2026-11-28) 8 gave
+    # 1.88x the single program's useful tokens/s; 16 was no faster (9.35 s vs 9.07 s per call) and compiles
     # twice the programs (benchmarks/RESULTS.md, issue 36).
     compaction_segments: int = dataclasses.field(default=8, metadata={"gt": 0})
     # With compaction: decode at most this many rows at once (a multiple of the data-parallel size). A larger
@@ -83,8 +84,8 @@ class SamplingConfig:
     # (continuous batching), so a few long completions no longer hold a whole batch, and the own KV cache
     # holds `live_rows` rows, not the batch. Same tokens and log-probs as decoding the batch at once. None: the
     # whole batch at once. The single program (compaction off, inside a jit, multi-process) ignores it. Not faster
-    # than compaction alone on the 2-core CPU (0.95x: dense attention reads every row's whole own cache,
-    # benchmarks/RESULTS.md issue 36); it bounds the cache's memory.
+    # than compaction alone on the 2-core CPU (0.95x on 2026-11-27, with halving buckets: dense attention reads
+    # every row's whole own cache, benchmarks/RESULTS.md issue 36); it bounds the cache's memory.
     live_rows: int | None = dataclasses.field(default=None, metadata={"gt": 0})
 
     def __post_init__(self):
@@ -634,10 +635,10 @@ def _sample(policy, prompt_tokens, prompt_valid, rng, config: SamplingConfig, eo
 
 
 # ----------------------------------------------------------------------------- compacted decode: one program
-# for the prefill, one per decode segment and pair of batch shapes (before and after the compaction that starts
-# it, if any; the own cache grows to the segment's end: a cache as long as `max_new_tokens` from the start made
-# the ragged bench-small workload 1.4x slower on a 2-core CPU), one to finish per batch shape. The host reads the
-# finished flags between segments and gathers the live rows into the smallest bucket that holds them.
+# for the prefill, one per decode segment and batch shape (the own cache grows to the segment's end: a cache as
+# long as `max_new_tokens` from the start made the ragged bench-small workload 1.4x slower on a 2-core CPU), one
+# gather per pair of batch shapes (the compaction before a segment), one to finish per batch shape. The host
+# reads the finished flags between segments and gathers the live rows into the smallest bucket that holds them.
 
 @functools.partial(jax.jit, static_argnames=("config", "pad_id", "group_size"))
 def _prefill_program(policy, prompt_tokens, prompt_valid, forced, *, config: SamplingConfig, pad_id: int,
@@ -649,17 +650,20 @@ def _prefill_program(policy, prompt_tokens, prompt_valid, forced, *, config: Sam
 
 @functools.partial(jax.jit, static_argnames=("end", "config", "eos_id", "pad_id", "stop_sequences", "batch",
                                              "iterations"))
-def _segment_program(policy, state: _Decode | None, outputs, initial: _Decode, plan, rng, temperature, *, end: int,
-                     config: SamplingConfig, eos_id, pad_id: int, stop_sequences, batch: int,
-                     iterations: int | None = None):
-    """One decode segment of the compacted decode: first, given a `plan` (else None), the rows of `state` and of
-    `initial` it names are gathered into a new batch (`_regather`); then the decode, to step `end` (or, with
-    per-row steps, `iterations` steps over an own cache of `end` slots). Returns `(state, outputs)`."""
-    if plan is not None:
-        outputs, state = _regather(outputs, state, initial, *plan, batch)
-    state = _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
-                            pad_id=pad_id, stop_sequences=stop_sequences, batch=batch, iterations=iterations)
-    return state, outputs
+def _segment_program(policy, state: _Decode, rng, temperature, *, end: int, config: SamplingConfig, eos_id,
+                     pad_id: int, stop_sequences, batch: int, iterations: int | None = None) -> _Decode:
+    """One decode segment of the compacted decode: to step `end` (or, with per-row steps, `iterations` steps over
+    an own cache of `end` slots). One program per segment and batch shape: the gather that forms the batch is a
+    program of its own (`_regather_program`), so the decode loops are not compiled again per pair of shapes."""
+    return _decode_segment(policy, state, rng, temperature, end, cache_len=end, config=config, eos_id=eos_id,
+                           pad_id=pad_id, stop_sequences=stop_sequences, batch=batch, iterations=iterations)
+
+
+@functools.partial(jax.jit, static_argnames=("batch",))
+def _regather_program(outputs, state: _Decode | None, initial: _Decode, plan, *, batch: int):
+    """`_regather` as a program: `(outputs, state)` of the next batch, from `plan = (slot_prompts, state_rows,
+    initial_rows)` (`_gather_plan`)."""
+    return _regather(outputs, state, initial, *plan, batch)
 
 
 _gather_program = jax.jit(gathered_weights)
@@ -736,7 +740,7 @@ def _finish_program(outputs, state: _Decode, prompt_tokens, prompt_valid, *, con
     return _rollout(*outputs, prompt_tokens, prompt_valid, config)
 
 
-_PROGRAMS = (_sample, _prefill_program, _segment_program, _gather_program, _finish_program)
+_PROGRAMS = (_sample, _prefill_program, _segment_program, _regather_program, _gather_program, _finish_program)
 
 
 def data_parallel_size(layout: models.Layout | None) -> int:
@@ -747,10 +751,12 @@ def data_parallel_size(layout: models.Layout | None) -> int:
 
 
 def default_batch_buckets(batch: int, parallel: int = 1) -> tuple[int, ...]:
-    """The batch sizes a compacted decode of `batch` rows may shrink to by default: `batch` and its successive
-    halvings (rounded up to a multiple of `parallel`, the data-parallel size), ascending."""
+    """The batch sizes a compacted decode of `batch` rows may shrink to by default: `batch`, its successive
+    halvings and three quarters of each (64: 64, 48, 32, 24, 16, 12, ...), rounded up to a multiple of `parallel`
+    (the data-parallel size), ascending. Halvings alone left a batch of 33 live rows at 64 and one of 17 at 32."""
     sizes, size = {batch}, batch
     while size > parallel:
+        sizes.add(-(-(-(-3 * size // 4)) // parallel) * parallel)
         size = -(-size // 2)
         sizes.add(-(-size // parallel) * parallel)
     return tuple(sorted(sizes))
@@ -840,7 +846,6 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
     if config.live_rows is None or config.live_rows >= batch:
         state, rows = initial, np.arange(batch)  # the rollout row of each row of the state
         for start, end in segments:
-            plan = None
             if start:
                 live = rows[(rows >= 0) & ~np.asarray(state.done)]
                 if not live.size:
@@ -848,8 +853,9 @@ def _sample_compacted(policy, prompt_tokens, prompt_valid, rng, config: Sampling
                 new_slots, new_rows = compacted_layout(live, group_size, buckets, parallel)
                 if new_rows.size < rows.size:
                     plan = _gather_plan(new_slots, new_rows, rows, np.zeros(0, np.int64))
+                    outputs, state = _regather_program(outputs, state, initial, plan, batch=batch)
                     rows = new_rows
-            state, outputs = program(state, outputs, initial, plan, end=end)
+            state = program(state, end=end)
     else:
         state, outputs = _refilled_decode(program, initial, outputs, group_size, buckets, parallel, config,
                                           segments[0][1])
@@ -891,5 +897,6 @@ def _refilled_decode(program, initial: _Decode, outputs, group_size: int, bucket
             return state, outputs
         slots, next_rows = compacted_layout(np.sort(np.concatenate([live, fresh])), group_size, buckets, parallel)
         plan = _gather_plan(slots, next_rows, rows, fresh)
-        state, outputs = program(state, outputs, initial, plan, end=max_new, iterations=length)
+        outputs, state = _regather_program(outputs, state, initial, plan, batch=batch)
+        state = program(state, end=max_new, iterations=length)
         rows = next_rows

@@ -123,16 +123,34 @@ def test_bench_train_rejects_a_peak_that_gives_no_mfu_before_running(capsys, pea
     assert "peak_tflops must be a positive number" in captured.err and not captured.out
 
 
-def _profile_decode():
-    """`benchmarks/profile_decode.py` as a module (benchmarks/ is not a package)."""
+def _benchmark_script(name: str = "profile_decode"):
+    """`benchmarks/<name>.py` as a module (benchmarks/ is not a package)."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_decode.py"
-    spec = importlib.util.spec_from_file_location("profile_decode", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _profile_decode():
+    return _benchmark_script("profile_decode")
+
+
+def test_compaction_profile_times_every_segment(capsys):
+    """The segments of one compacted call: the batch shrinks as rows finish, and their times add up to the call."""
+    from jaxrl import sampling
+
+    result = _benchmark_script("compaction_profile").main(
+        ["--model", "tiny", "--prompts", "2", "--group", "4", "--new-tokens", "64", "--segments", "4"])
+    rows = [segment["rows"] for segment in result["segments"]]
+    assert rows[0] == 8 and rows == sorted(rows, reverse=True) and rows[-1] < 8, rows
+    assert [segment["end"] for segment in result["segments"]] == [16, 32, 48, 64][:len(rows)]
+    assert sum(segment["seconds"] for segment in result["segments"]) <= result["call_s"]
+    assert sampling._segment_program.__name__ == "_segment_program"  # the timing wrapper is gone
+    assert "| segment end |" in capsys.readouterr().out
 
 
 def test_profile_decode_busy_time_and_one_step():
