@@ -355,17 +355,18 @@ def _rematerialised_block(block: "Block", layer: int, layout: Layout | None, max
 
 def _recomputed_after_cotangent(forward):
     """`forward(state, x, *rest)` whose backward pass keeps only its inputs and recomputes the rest once the
-    output's cotangent g has arrived: the recomputation's `x` is `x + 0 * g[0]`, a data dependency no compiler
-    may drop (0 * g is not 0 for a non-finite g), so the recomputed activations of a block cannot be merged with
-    the forward pass's nor computed before the blocks above it are done. A non-finite g[0] makes the
-    recomputation non-finite, as the block's weight gradients (sums over every position) already are.
+    output's cotangent g has arrived: the recomputation's `x` is `x + 0 * g` (the same shape and layout, so
+    elementwise, with no communication), a data dependency no compiler may drop (0 * g is not 0 for a
+    non-finite g), so the recomputed activations of a block cannot be merged with the forward pass's nor
+    computed before the blocks above it are done. A non-finite element of g makes that position's recomputation
+    non-finite, as the block's weight gradients (sums over every position) already are.
 
     The backward pass is traced with the forward pass (`jax.closure_convert`), not after it: interceptors
     active during the model's call, such as qwix's LoRA adapters, are then active in the recomputation too."""
     traced = {}
 
     def backward(state, x, rest, g):
-        x = x + (jnp.ravel(g)[0] * 0).astype(x.dtype)
+        x = x + (g * 0).astype(x.dtype)
         return jax.vjp(forward, state, x, *rest)[1](g)
 
     @jax.custom_vjp
