@@ -311,7 +311,7 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
                 packing: str = "off", row_tokens: int | None = None, buckets: int = 8,
                 lora_rank: int | None = None, lora_alpha: float | None = None,
                 lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
-                more_steps: list | None = None) -> dict:
+                more_steps: list | None = None, memory_only: bool = False) -> dict:
     """Time one RL optimizer step (`jaxrl.train.make_rl_step`) on a fixed workload; returns every figure.
 
     The workload (issue 7): `sequences` random sequences of `prompt_len` prompt + `completion_len` completion
@@ -345,6 +345,10 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     output written over its input) and is counted once; the base is checked unchanged after the timed steps.
     `more_steps`: a list that gets a callable running one more step of this benchmark and returning its seconds
     (`compare_lora` interleaves two benchmarks' steps with it).
+
+    `memory_only`: compile the step and return its `memory_analysis()` figures without running it (the old
+    log-probs are zeros, not the policy's: the compiled program depends on their shape alone); the figures
+    that need the step to run are then None.
     """
     import jax
     import jax.numpy as jnp
@@ -390,7 +394,11 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     tokens[:, prompt_len:][~loss_mask] = PAD_ID
     tokens = jnp.asarray(tokens, jnp.int32)
     prompt_valid = jnp.ones((sequences, prompt_len), bool)
-    old_logp, _ = jax.jit(completion_logprobs)(policy, tokens, prompt_valid)
+    if memory_only:
+        shape = jax.eval_shape(completion_logprobs, policy, tokens, prompt_valid)[0]
+        old_logp = jnp.zeros(shape.shape, shape.dtype)
+    else:
+        old_logp, _ = jax.jit(completion_logprobs)(policy, tokens, prompt_valid)
     advantages = np.repeat(rng.standard_normal((sequences, 1)).astype(np.float32), completion_len, axis=1)
     batch = {"tokens": tokens, "prompt_valid": prompt_valid, "old_logp": old_logp,
              "advantages": jnp.asarray(advantages * loss_mask), "loss_mask": jnp.asarray(loss_mask)}
@@ -417,6 +425,10 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     planned = with_plan(batch)
     step = step.lower(state, planned, controls).compile()  # compiled once: timed, and its memory read below
     memory = step.memory_analysis()
+    if memory_only:
+        return _memory_figures(model_name, config, layout, sequences, prompt_len, completion_len, micro_batches,
+                               repeats, seed, remat, lengths, packing, buckets, donate, lora, memory, state,
+                               completion_lengths, compile_s=time.perf_counter() - start)
     state, metrics = jax.block_until_ready(step(state, planned, controls))
     first = time.perf_counter() - start
     if not np.isfinite(float(metrics["policy_loss"])):
@@ -467,6 +479,37 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     }
 
 
+def _memory_figures(model_name, config, layout, sequences, prompt_len, completion_len, micro_batches, repeats,
+                    seed, remat, lengths, packing, buckets, donate, lora, memory, state, completion_lengths,
+                    compile_s) -> dict:
+    """`bench_train`'s result with `memory_only`: the workload, the compiled step's memory figures (the same
+    keys as a timed run's), and None for every figure that needs the step to run."""
+    import jax
+
+    from jaxrl import models
+    device = jax.devices()[0]
+    step_memory = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    return {
+        "benchmark": "train", "memory_only": True, "model": model_name,
+        "parameters": models.num_parameters(config), "dtype": config.dtype, "param_dtype": config.param_dtype,
+        "remat": remat, "mesh": list(layout.mesh.shape.values()), "sequences": sequences,
+        "prompt_len": prompt_len, "completion_len": completion_len, "micro_batches": micro_batches,
+        "repeats": repeats, "seed": seed, "compile_s": compile_s, "first_step_s": None, "step_s": None,
+        "step_times_s": [], "tokens_per_s": None, "model_tflops_per_s": None, "lengths": lengths,
+        "packing": packing, "useful_tokens": int(completion_lengths.sum()), "useful_tokens_per_s": None,
+        "packed_rows": None, "buckets": buckets, "mfu": None, "peak_memory_bytes": None,
+        "peak_memory_source": None, "donate": donate, "step_memory_bytes": step_memory, "lora": lora,
+        "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
+        "argument_bytes": None if memory is None else memory.argument_size_in_bytes,
+        "output_bytes": None if memory is None else memory.output_size_in_bytes,
+        "alias_bytes": None if memory is None else memory.alias_size_in_bytes,
+        "temp_bytes": None if memory is None else memory.temp_size_in_bytes, "platform": device.platform,
+        "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
+        "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
+    }
+
+
 def _adapted(policy, rank: int, alpha: float | None, targets: tuple[str, ...] | None, quantize: str | None,
              seed: int):
     """`(adapted policy, description)`: `policy` with LoRA adapters (`models.lora.add_adapters`)."""
@@ -497,7 +540,8 @@ def compare_lora(lora_rank: int, lora_alpha: float | None = None, lora_targets: 
     Then `repeats` rounds of one full step and one LoRA step back to back, so that both see the same machine
     load: `interleaved_step_s` (full, LoRA) pairs and `speedup_interleaved`, the median of full / LoRA step
     time over the rounds. The host peak memory is the process's so far: the LoRA figure also covers the full
-    step run before it."""
+    step run before it. With `memory_only=True` both steps are compiled and not run: the speed figures are
+    None and `interleaved_step_s` is empty."""
     from jaxrl.models.lora import PROJECTIONS, LoraSpec, target_paths
     spec = LoraSpec(rank=lora_rank, alpha=1.0, targets=tuple(lora_targets) if lora_targets else PROJECTIONS,
                     quantize=quantize)  # bad settings fail here, before the full step runs
@@ -508,6 +552,9 @@ def compare_lora(lora_rank: int, lora_alpha: float | None = None, lora_targets: 
                        quantize=quantize, more_steps=steps)
     ratio = (lora["step_memory_bytes"] / full["step_memory_bytes"]
              if lora["step_memory_bytes"] and full["step_memory_bytes"] else None)
+    if kwargs.get("memory_only"):  # compiled, not run: nothing to time
+        return {"benchmark": "train_lora", "full": full, "lora": lora, "step_memory_ratio": ratio,
+                "speedup_tokens_per_s": None, "interleaved_step_s": [], "speedup_interleaved": None}
     full_step, lora_step = steps
     pairs = [(full_step(), lora_step()) for _ in range(kwargs.get("repeats", 3))]
     return {"benchmark": "train_lora", "full": full, "lora": lora, "step_memory_ratio": ratio,
@@ -567,6 +614,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "down_proj) or regular expression over their paths (default: all of them)")
     parser.add_argument("--quantize", choices=("int8", "int4", "nf4"), default=None,
                         help="with --lora: the frozen base's projections stored in this type (QLoRA; qwix)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="compile the step(s) and report their compiled memory (memory_analysis) without "
+                             "running or timing them")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -582,7 +632,8 @@ def run_train(args: argparse.Namespace) -> int:
                       completion_len=args.completion_len, micro_batches=args.micro_batches,
                       repeats=args.repeats, seed=args.seed, remat=args.remat, mesh=mesh,
                       compute_dtype=args.dtype, peak_tflops=args.peak_tflops, donate=not args.no_donate,
-                      lengths=args.lengths, row_tokens=args.row_tokens, buckets=args.buckets)
+                      lengths=args.lengths, row_tokens=args.row_tokens, buckets=args.buckets,
+                      memory_only=args.memory_only)
         if args.lora is None and (args.quantize or args.lora_targets or args.lora_alpha is not None):
             raise ValueError("--quantize, --lora-targets and --lora-alpha need --lora RANK")
         if args.lora is not None:
@@ -597,6 +648,13 @@ def run_train(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"jaxrl: bench error: {e}", file=sys.stderr)
         return 2
+    if args.memory_only:
+        print(json.dumps(comparison if args.lora is not None else
+                         {"benchmark": "train_memory", "results": results} if len(results) == 2 else results[0]),
+              flush=True)
+        print()
+        print(memory_table(results, comparison["step_memory_ratio"] if args.lora is not None else None))
+        return 0
     if args.lora is not None:
         print(json.dumps(comparison), flush=True)
         print()
@@ -643,6 +701,29 @@ def _step_kind(r: dict) -> str:
     from jaxrl.models.lora import PROJECTIONS
     targets = "all projections" if tuple(lora["targets"]) == PROJECTIONS else ", ".join(lora["targets"])
     return f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on {targets}, {base}"
+
+
+def memory_table(results: list[dict], ratio: float | None = None) -> str:
+    """Markdown table of `bench_train(memory_only=True)` results: each compiled step's `memory_analysis()`;
+    `ratio`: the second step's compiled memory over the first's (`compare_lora`), printed below."""
+    lines = ["| step | trained parameters | compiled step memory | arguments | outputs | aliased | temporaries "
+             "| compile |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cells = [("-" if r[key] is None else _gib(r[key]))
+                 for key in ("step_memory_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")]
+        kind = _step_kind(r) + ("" if r["packing"] == "off" else ", packed rows")
+        lines.append(f"| {kind} | {r['trainable_parameters'] / 1e6:.2f}M | " + " | ".join(cells)
+                     + f" | {r['compile_s']:.2f} s |")
+    r = results[0]
+    lines.append("")
+    if ratio is not None:
+        lines.append(f"LoRA / full compiled step memory: {100 * ratio:.1f}%")
+    lines.append(f"model {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}), "
+                 f"{r['sequences']} x ({r['prompt_len']} + {r['completion_len']} {r['lengths']}) tokens, "
+                 f"{r['micro_batches']} micro-batch(es), state {'donated' if r['donate'] else 'not donated'}; "
+                 f"compiled, not run; compiled step memory = arguments + outputs + temporaries - outputs written "
+                 f"over donated arguments; device {r['platform']} / {r['device_kind']}, jax {r['jax_version']}")
+    return "\n".join(lines)
 
 
 def lora_table(comparison: dict) -> str:

@@ -333,16 +333,57 @@ REMAT_POLICIES = {
 
 
 def _rematerialised_block(block: "Block", layer: int, layout: Layout | None, max_segments: int | None, policy):
-    """`(x, positions, masks) -> x`: block `layer` without a cache under `jax.checkpoint` with `policy`. The block
-    goes in as its split state and is merged inside, so nothing flows back out of the checkpointed trace
-    (`nnx.remat` writes the block's state back, which a qwix-adapted block cannot take)."""
+    """`(x, positions, masks) -> x`: block `layer` without a cache, rematerialised by `policy`. The block goes in
+    as its split state and is merged inside, so nothing flows back out of the rematerialised trace (`nnx.remat`
+    writes the block's state back, which a qwix-adapted block cannot take).
+
+    "full" (`nothing_saveable`) is `_recomputed_after_cotangent`, not `jax.checkpoint`: `jax.checkpoint` keeps
+    its recomputation apart from the forward pass with an optimization barrier on the recomputation's inputs
+    alone, which XLA's CPU compiler removes before scheduling; the recomputation was then merged with the
+    forward pass or scheduled during it, and a "full" step kept every block's activations (no memory saved)."""
     graphdef, state = nnx.split(block)
 
     def forward(state, x, positions, masks):
         return nnx.merge(graphdef, state)(x, positions, masks, None, 0, layer, layout, max_segments)[0]
 
+    if policy is jax.checkpoint_policies.nothing_saveable:
+        recomputed = _recomputed_after_cotangent(forward)
+        return lambda x, positions, masks: recomputed(state, x, positions, masks)
     checkpointed = jax.checkpoint(forward, policy=policy)
     return lambda x, positions, masks: checkpointed(state, x, positions, masks)
+
+
+def _recomputed_after_cotangent(forward):
+    """`forward(state, x, *rest)` whose backward pass keeps only its inputs and recomputes the rest once the
+    output's cotangent g has arrived: the recomputation's `x` is `x + 0 * g` (the same shape and layout, so
+    elementwise, with no communication), a data dependency no compiler may drop (0 * g is not 0 for a
+    non-finite g), so the recomputed activations of a block cannot be merged with the forward pass's nor
+    computed before the blocks above it are done. A non-finite element of g makes that position's recomputation
+    non-finite, as the block's weight gradients (sums over every position) already are.
+
+    The backward pass is traced with the forward pass (`jax.closure_convert`), not after it: interceptors
+    active during the model's call, such as qwix's LoRA adapters, are then active in the recomputation too."""
+    traced = {}
+
+    def backward(state, x, rest, g):
+        x = x + (g * 0).astype(x.dtype)
+        return jax.vjp(forward, state, x, *rest)[1](g)
+
+    @jax.custom_vjp
+    def run(state, x, *rest):
+        return forward(state, x, *rest)
+
+    def run_forward(state, x, *rest):
+        y = forward(state, x, *rest)
+        traced["backward"], consts = jax.closure_convert(backward, state, x, rest, y)
+        return y, (state, x, rest, consts)
+
+    def run_backward(saved, g):
+        state, x, rest, consts = saved
+        return traced["backward"](state, x, rest, g, *consts)
+
+    run.defvjp(run_forward, run_backward)
+    return run
 
 
 class Transformer(nnx.Module):

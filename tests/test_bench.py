@@ -109,6 +109,34 @@ def test_bench_train_remat_bf16_and_mfu():
     assert result["mfu"] == pytest.approx(result["model_tflops_per_s"])
 
 
+def test_bench_train_memory_only_compiles_without_running(capsys):
+    """`--memory-only`: the same compiled step, so the same `memory_analysis()` figures as a timed run, and no
+    step run or timed; with `--lora` both steps, and their ratio."""
+    sizes = dict(model=TINY, sequences=4, prompt_len=5, completion_len=6, micro_batches=2, repeats=1,
+                 remat="full")
+    timed = bench.bench_train(**sizes)
+    compiled = bench.bench_train(**sizes, memory_only=True)
+    assert compiled["memory_only"] and compiled["step_memory_bytes"] > 0
+    for key in ("step_memory_bytes", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                "trainable_parameters", "parameters", "useful_tokens"):
+        assert compiled[key] == timed[key], key
+    for key in ("step_s", "first_step_s", "tokens_per_s", "useful_tokens_per_s", "peak_memory_bytes", "mfu"):
+        assert compiled[key] is None, key
+    assert compiled["step_times_s"] == [] and compiled["compile_s"] > 0
+
+    argv = ["bench", "train", "--preset", "tiny", "--sequences", "2", "--prompt-len", "4", "--completion-len", "4",
+            "--memory-only", "--lora", "2"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads(lines[0])
+    full, lora = result["full"], result["lora"]
+    assert full["memory_only"] and lora["memory_only"] and lora["lora"]["rank"] == 2
+    assert result["step_memory_ratio"] == pytest.approx(lora["step_memory_bytes"] / full["step_memory_bytes"])
+    assert result["interleaved_step_s"] == [] and result["speedup_interleaved"] is None
+    assert any(line.startswith("| full fine-tune |") for line in lines)
+    assert any(line.startswith("LoRA / full compiled step memory: ") for line in lines)
+
+
 @pytest.mark.parametrize("mesh", ["1,x,1", "1,1,1,", ""])
 def test_bench_train_a_malformed_mesh_is_named(capsys, mesh):
     assert cli.main(["bench", "train", "--preset", "tiny", "--mesh", mesh]) == 2

@@ -356,3 +356,27 @@ def test_rematerialised_adapters_give_the_same_gradients(remat):
 
         grads.append(jax.jit(jax.grad(loss))(adapted.params))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
+
+
+@pytest.mark.parametrize("adapted", [True, False])
+def test_remat_full_lowers_the_backward_pass_memory(adapted):
+    """`remat="full"` keeps only each block's input for the backward pass, on XLA's CPU compiler too: with
+    `jax.checkpoint` the CPU compiler merged the recomputation into the forward pass, and an adapted step's
+    compiled temporaries did not fall at all (289.5 against 291.1 MiB, 32 x 128 tokens of the tiny preset).
+    Here 4 layers over 16 x 96 tokens, where the activations dominate: keeping only the block inputs takes
+    the gradient's temporaries to well under half, with adapters and without."""
+    config = dataclasses.replace(TINY, num_layers=4)
+    tokens = _tokens(config.vocab_size, (16, 96))
+    prompt_valid = jnp.ones((16, 32), bool)
+    temps = {}
+    for remat in ("none", "full"):
+        policy = models.init(dataclasses.replace(config, remat=remat), 0)
+        if adapted:
+            policy = lora.add_adapters(policy, lora.LoraSpec(rank=4, alpha=8.0), 0)
+
+        def loss(params, policy=policy):
+            return completion_logprobs(policy.replace(params=params), tokens, prompt_valid)[0].sum()
+
+        compiled = jax.jit(jax.grad(loss)).lower(policy.params).compile()
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["full"] < 0.5 * temps["none"], temps
