@@ -450,9 +450,6 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
             return time.perf_counter() - begin
         more_steps.append(one_more)
     peak, peak_source = _peak_memory()
-    step_memory = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-    device = jax.devices()[0]
     tokens_per_s = sequences * (prompt_len + completion_len) / step_s
     useful_tokens = int(completion_lengths.sum())
     packed_shape = None if packing == "off" else list(planned["plan"].gather.shape)
@@ -467,16 +464,31 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         "useful_tokens": useful_tokens, "useful_tokens_per_s": useful_tokens / step_s,
         "packed_rows": packed_shape, "buckets": buckets,
         "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
-        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate,
-        "step_memory_bytes": step_memory, "lora": lora,
+        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate, "lora": lora,
         "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
-        "argument_bytes": None if memory is None else memory.argument_size_in_bytes,
-        "output_bytes": None if memory is None else memory.output_size_in_bytes,
-        "alias_bytes": None if memory is None else memory.alias_size_in_bytes,
-        "temp_bytes": None if memory is None else memory.temp_size_in_bytes, "platform": device.platform,
-        "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-        "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
+        **_compiled_memory(memory), **_machine(),
     }
+
+
+def _compiled_memory(memory) -> dict:
+    """A compiled step's `memory_analysis()` figures in bytes (None without one): its arguments, outputs,
+    temporaries, the outputs written over donated arguments (alias), and the step's total
+    (arguments + outputs + temporaries - alias)."""
+    figures = {f"{part}_bytes": None if memory is None else getattr(memory, f"{part}_size_in_bytes")
+               for part in ("argument", "output", "alias", "temp")}
+    figures["step_memory_bytes"] = None if memory is None else (
+        figures["argument_bytes"] + figures["output_bytes"] + figures["temp_bytes"] - figures["alias_bytes"])
+    return figures
+
+
+def _machine() -> dict:
+    """The device and versions a benchmark ran on."""
+    import jax
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
+            "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax_version": jax.__version__,
+            "jaxlib_version": _jaxlib_version()}
 
 
 def _memory_figures(model_name, config, layout, sequences, prompt_len, completion_len, micro_batches, repeats,
@@ -487,9 +499,6 @@ def _memory_figures(model_name, config, layout, sequences, prompt_len, completio
     import jax
 
     from jaxrl import models
-    device = jax.devices()[0]
-    step_memory = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
     return {
         "benchmark": "train", "memory_only": True, "model": model_name,
         "parameters": models.num_parameters(config), "dtype": config.dtype, "param_dtype": config.param_dtype,
@@ -499,14 +508,9 @@ def _memory_figures(model_name, config, layout, sequences, prompt_len, completio
         "step_times_s": [], "tokens_per_s": None, "model_tflops_per_s": None, "lengths": lengths,
         "packing": packing, "useful_tokens": int(completion_lengths.sum()), "useful_tokens_per_s": None,
         "packed_rows": None, "buckets": buckets, "mfu": None, "peak_memory_bytes": None,
-        "peak_memory_source": None, "donate": donate, "step_memory_bytes": step_memory, "lora": lora,
+        "peak_memory_source": None, "donate": donate, "lora": lora,
         "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
-        "argument_bytes": None if memory is None else memory.argument_size_in_bytes,
-        "output_bytes": None if memory is None else memory.output_size_in_bytes,
-        "alias_bytes": None if memory is None else memory.alias_size_in_bytes,
-        "temp_bytes": None if memory is None else memory.temp_size_in_bytes, "platform": device.platform,
-        "device_kind": device.device_kind, "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-        "machine": platform.machine(), "jax_version": jax.__version__, "jaxlib_version": _jaxlib_version(),
+        **_compiled_memory(memory), **_machine(),
     }
 
 
