@@ -425,10 +425,21 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     planned = with_plan(batch)
     step = step.lower(state, planned, controls).compile()  # compiled once: timed, and its memory read below
     memory = step.memory_analysis()
-    if memory_only:
-        return _memory_figures(model_name, config, layout, sequences, prompt_len, completion_len, micro_batches,
-                               repeats, seed, remat, lengths, packing, buckets, donate, lora, memory, state,
-                               completion_lengths, compile_s=time.perf_counter() - start)
+    useful_tokens = int(completion_lengths.sum())
+    described = {  # the workload and the compiled step: known before the step runs
+        "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
+        "dtype": config.dtype, "param_dtype": config.param_dtype, "remat": remat,
+        "mesh": list(layout.mesh.shape.values()), "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
+        "micro_batches": micro_batches, "repeats": repeats, "seed": seed, "lengths": lengths, "packing": packing,
+        "useful_tokens": useful_tokens, "buckets": buckets, "donate": donate, "lora": lora,
+        "packed_rows": None if packing == "off" else list(planned["plan"].gather.shape),
+        "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
+        **_compiled_memory(memory), **_machine(),
+    }
+    if memory_only:  # every figure that needs the step to run is None
+        return {**described, "memory_only": True, "compile_s": time.perf_counter() - start, "first_step_s": None,
+                "step_s": None, "step_times_s": [], "tokens_per_s": None, "model_tflops_per_s": None,
+                "useful_tokens_per_s": None, "mfu": None, "peak_memory_bytes": None, "peak_memory_source": None}
     state, metrics = jax.block_until_ready(step(state, planned, controls))
     first = time.perf_counter() - start
     if not np.isfinite(float(metrics["policy_loss"])):
@@ -451,22 +462,13 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
         more_steps.append(one_more)
     peak, peak_source = _peak_memory()
     tokens_per_s = sequences * (prompt_len + completion_len) / step_s
-    useful_tokens = int(completion_lengths.sum())
-    packed_shape = None if packing == "off" else list(planned["plan"].gather.shape)
     model_tflops = train_flops_per_token(config, prompt_len + completion_len) * tokens_per_s / 1e12
     return {
-        "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
-        "dtype": config.dtype, "param_dtype": config.param_dtype, "remat": remat, "mesh": list(layout.mesh.shape.values()),
-        "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
-        "micro_batches": micro_batches, "repeats": repeats, "seed": seed,
-        "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s, "step_times_s": times,
-        "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops, "lengths": lengths, "packing": packing,
-        "useful_tokens": useful_tokens, "useful_tokens_per_s": useful_tokens / step_s,
-        "packed_rows": packed_shape, "buckets": buckets,
+        **described, "compile_s": max(first - step_s, 0.0), "first_step_s": first, "step_s": step_s,
+        "step_times_s": times, "tokens_per_s": tokens_per_s, "model_tflops_per_s": model_tflops,
+        "useful_tokens_per_s": useful_tokens / step_s,
         "mfu": None if peak_tflops is None else model_tflops / peak_tflops,
-        "peak_memory_bytes": peak, "peak_memory_source": peak_source, "donate": donate, "lora": lora,
-        "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
-        **_compiled_memory(memory), **_machine(),
+        "peak_memory_bytes": peak, "peak_memory_source": peak_source,
     }
 
 
@@ -489,29 +491,6 @@ def _machine() -> dict:
     return {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
             "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax_version": jax.__version__,
             "jaxlib_version": _jaxlib_version()}
-
-
-def _memory_figures(model_name, config, layout, sequences, prompt_len, completion_len, micro_batches, repeats,
-                    seed, remat, lengths, packing, buckets, donate, lora, memory, state, completion_lengths,
-                    compile_s) -> dict:
-    """`bench_train`'s result with `memory_only`: the workload, the compiled step's memory figures (the same
-    keys as a timed run's), and None for every figure that needs the step to run."""
-    import jax
-
-    from jaxrl import models
-    return {
-        "benchmark": "train", "memory_only": True, "model": model_name,
-        "parameters": models.num_parameters(config), "dtype": config.dtype, "param_dtype": config.param_dtype,
-        "remat": remat, "mesh": list(layout.mesh.shape.values()), "sequences": sequences,
-        "prompt_len": prompt_len, "completion_len": completion_len, "micro_batches": micro_batches,
-        "repeats": repeats, "seed": seed, "compile_s": compile_s, "first_step_s": None, "step_s": None,
-        "step_times_s": [], "tokens_per_s": None, "model_tflops_per_s": None, "lengths": lengths,
-        "packing": packing, "useful_tokens": int(completion_lengths.sum()), "useful_tokens_per_s": None,
-        "packed_rows": None, "buckets": buckets, "mfu": None, "peak_memory_bytes": None,
-        "peak_memory_source": None, "donate": donate, "lora": lora,
-        "trainable_parameters": sum(int(x.size) for x in jax.tree.leaves(state.policy.params)),
-        **_compiled_memory(memory), **_machine(),
-    }
 
 
 def _adapted(policy, rank: int, alpha: float | None, targets: tuple[str, ...] | None, quantize: str | None,

@@ -754,11 +754,14 @@ def default_batch_buckets(batch: int, parallel: int = 1) -> tuple[int, ...]:
     """The batch sizes a compacted decode of `batch` rows may shrink to by default: `batch`, its successive
     halvings and three quarters of each (64: 64, 48, 32, 24, 16, 12, ...), rounded up to a multiple of `parallel`
     (the data-parallel size), ascending. Halvings alone left a batch of 33 live rows at 64 and one of 17 at 32."""
+    def fitted(rows: int) -> int:  # rounded up to a multiple of `parallel`
+        return -(-rows // parallel) * parallel
+
     sizes, size = {batch}, batch
     while size > parallel:
-        sizes.add(-(-(-(-3 * size // 4)) // parallel) * parallel)
+        sizes.add(fitted(-(-3 * size // 4)))
         size = -(-size // 2)
-        sizes.add(-(-size // parallel) * parallel)
+        sizes.add(fitted(size))
     return tuple(sorted(sizes))
 
 
