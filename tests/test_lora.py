@@ -139,21 +139,21 @@ def test_kl_to_the_reference_is_zero_at_step_zero(fixture_policies):
 @pytest.mark.parametrize("family", ["llama3", "qwen2", pytest.param("qwen3", marks=pytest.mark.slow),
                                     pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_int8_base_keeps_sampled_logprobs_within_005_nats(fixture_policies, family):
-    """Mean over sampled tokens of |log p_int8 - log p_float32| below 0.05 nats. (Single tokens of these tiny
-    random-weight models move more: up to 0.12 nats, benchmarks/RESULTS.md.)"""
+    """Mean over sampled tokens of |log p_int8 - log p_float32| below 0.05 nats: 256 completion tokens sampled at
+    temperature 1 from the float32 base, each scored in the context it was sampled in. (The largest single-token
+    gap is no property of the int8 format: it grows with the number of tokens looked at, benchmarks/RESULTS.md;
+    0.25 here only catches a broken quantization.)"""
     base = fixture_policies[family]
-    vocab = base.config.vocab_size
-    prompts = _tokens(vocab, (4, 6), seed=5)
+    prompts = _tokens(base.config.vocab_size, (8, 6), seed=5)
     config = SamplingConfig(max_new_tokens=16, temperature=1.0)
     rollout = sample(base, prompts, jnp.ones(prompts.shape, bool), jax.random.key(0), config, eos_id=-1, pad_id=0,
                      group_size=2)
-    tokens = jnp.concatenate([jnp.repeat(prompts, 2, axis=0), rollout.tokens], axis=1)
-    prompt_valid = jnp.ones((8, 6), bool)
+    assert rollout.completion_mask.shape == (16, 16) and bool(rollout.completion_mask.all())  # no EOS: all sampled
     logprobs = jax.jit(completion_logprobs)
-    exact, _ = logprobs(base, tokens, prompt_valid)
+    exact, _ = logprobs(base, rollout.tokens, rollout.prompt_valid)
     qlora = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize="int8"), seed=0)
     assert {x.dtype for x in jax.tree.leaves(qlora.frozen) if x.ndim == 2 and x.shape[1] > 1} >= {jnp.dtype("int8")}
-    quantized, _ = logprobs(qlora, tokens, prompt_valid)
+    quantized, _ = logprobs(qlora, rollout.tokens, rollout.prompt_valid)
     gap = jnp.abs(quantized - exact)
     assert 0.0 < float(gap.mean()) < 0.05 and float(gap.max()) < 0.25, (float(gap.mean()), float(gap.max()))
 
