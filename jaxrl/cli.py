@@ -29,9 +29,10 @@ def _train(args: argparse.Namespace) -> int:
 
     summary = run(config, config_source=args.config or "")
     metric = "accuracy" if "accuracy_before_rl" in summary else "reward"  # named after the evaluation's reward
-    keys = (f"{metric}_before_rl", f"{metric}_after_rl", f"{metric}_gain", "eval_reward", "num_eval_problems",
-            "total_wall_time_s", "reward_timeouts_total", "reward_errors_total")
-    print(json.dumps({k: summary[k] for k in keys}, indent=2))
+    keys = (f"{metric}_before_rl", f"{metric}_quantized_start", f"{metric}_after_rl", f"{metric}_gain",
+            "quantization_logprob_gap_mean", "eval_reward", "num_eval_problems", "total_wall_time_s",
+            "reward_timeouts_total", "reward_errors_total")
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))  # (a quantized base's: QLoRA)
     print(f"outputs in {config.output_dir}/ (summary.json, metrics.jsonl, reward_accuracy.png, checkpoints/)")
     return 0
 

@@ -158,6 +158,25 @@ def test_int8_base_keeps_sampled_logprobs_within_005_nats(fixture_policies, fami
     assert 0.0 < float(gap.mean()) < 0.05 and float(gap.max()) < 0.25, (float(gap.mean()), float(gap.max()))
 
 
+def test_the_logprob_gap_is_over_the_completion_tokens_alone(fixture_policies):
+    """`adapters._logprob_gap` (what a QLoRA run reports before RL): zero for unquantized zero adapters, and
+    for an int8 base the statistics of |log p_int8 - log p_base| over the tokens the mask marks, no others."""
+    base = fixture_policies["qwen2"]
+    tokens, prompt_valid = _tokens(base.config.vocab_size, (4, 14), seed=2), jnp.ones((4, 6), bool)
+    mask = jnp.arange(8)[None, :] < jnp.array([[8], [3], [0], [5]])  # ragged completions, one empty
+    same = adapters._logprob_gap(base, lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0), 0), tokens,
+                                 prompt_valid, mask, 1.0)
+    assert float(same["logprob_gap/max"]) == 0.0 and int(same["logprob_gap/tokens"]) == 16
+    qlora = lora.add_adapters(base, lora.LoraSpec(rank=4, alpha=8.0, quantize="int8"), 0)
+    gap = adapters._logprob_gap(base, qlora, tokens, prompt_valid, mask, 0.7)
+    logprobs = jax.jit(completion_logprobs)
+    expected = np.abs(np.asarray(logprobs(qlora, tokens, prompt_valid, 0.7)[0] - logprobs(base, tokens, prompt_valid,
+                                                                                             0.7)[0]))[np.asarray(mask)]
+    np.testing.assert_allclose(float(gap["logprob_gap/mean"]), expected.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(gap["logprob_gap/max"]), expected.max(), rtol=1e-5)
+    np.testing.assert_allclose(float(gap["logprob_gap/p99"]), np.quantile(expected, 0.99), rtol=1e-5)
+
+
 def test_bad_lora_input_is_refused_by_name():
     with pytest.raises(ValueError, match="target 'qkv_proj' matches no projection.*q_proj, k_proj, v_proj, o_proj"):
         lora.add_adapters(models.init(TINY, 0), lora.LoraSpec(rank=4, alpha=8.0, targets=("qkv_proj",)), 0)
@@ -285,8 +304,17 @@ def test_lora_run_from_a_hugging_face_checkpoint_exports_and_refuses_another_bas
         "rl.lora.quantize=int8", "rl.loss.kl_coef=0.05", "rl.optim.learning_rate=0.01",
         "rl.loss.entropy_coef=0.01",  # a gradient even when every completion gets the same reward
     ]
-    loop.run(configlib.load_config(Config, None, overrides))
+    summary = loop.run(configlib.load_config(Config, None, overrides))
     run = tmp_path / "run"
+    # before RL, the run measured what quantizing the base did, and says so in the metrics and the summary
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (quantized,) = [r for r in records if r["phase"] == adapters.QUANTIZED_PHASE]
+    assert 0 < quantized["logprob_gap/mean"] <= quantized["logprob_gap/p99"] <= quantized["logprob_gap/max"] < 1
+    assert quantized["logprob_gap/tokens"] > 0 and quantized["eval/num_problems"] == 4
+    assert summary["accuracy_quantized_start"] == quantized["eval/accuracy"]
+    assert summary["quantization_logprob_gap_mean"] == quantized["logprob_gap/mean"]
+    assert adapters.recorded_quantized_start(str(run / "metrics.jsonl")) == {
+        k: v for k, v in quantized.items() if k not in ("phase", "step")}
     record = json.loads((run / adapters.BASE_RECORD).read_text())
     assert record["name"] == str(tmp_path / "qwen") and not record["saved"]  # the base is the checkpoint itself
     manager = ocp.CheckpointManager(run / "checkpoints")

@@ -4,7 +4,8 @@ A fresh run adapts the warm-started policy and records which base it is (`lora_b
 fingerprint of its weights). When that base exists only in this run (a warm start, or a random init), it is
 saved once as an HF directory `<output_dir>/lora_base`, since the checkpoints hold only the adapters. A resumed
 run loads the base again (from there, or from `pretrained.path`), refuses one whose fingerprint differs, and
-adds the adapters that the checkpoint then restores.
+adds the adapters that the checkpoint then restores. A run that quantizes its base (`rl.lora.quantize`) first
+measures what that did to the policy RL starts from (`quantized_start`).
 """
 
 from __future__ import annotations
@@ -12,19 +13,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from jaxrl import models
 from jaxrl.config import Config
+from jaxrl.metrics import read_metrics
 from jaxrl.models import lora, lora_export
 from jaxrl.models.hf import CheckpointError
 from jaxrl.policy_io import load_policy
+from jaxrl.loop import held_out
+from jaxrl.loop.generate import Generator
 from jaxrl.loop.setup import hf_files
+from jaxrl.train import completion_logprobs
 from jaxrl.sharding import allgather, is_primary, wait_for_all_processes
 
 log = logging.getLogger("jaxrl")
 
 BASE_DIR = "lora_base"  # <output_dir>/lora_base: the base of a run whose base is not a file of its own
 BASE_RECORD = lora.BASE_RECORD  # <output_dir>/lora_base.json: {"name", "fingerprint", "saved"}
+QUANTIZED_PHASE = "lora"  # metrics.jsonl's record of what quantizing the base did (`quantized_start`)
 
 
 def spec_of(config: Config) -> lora.LoraSpec:
@@ -71,6 +81,61 @@ def start(config: Config, base: models.Policy, base_files: str | None = None) ->
             json.dump(record, f, indent=2)
     wait_for_all_processes("jaxrl: LoRA base saved")
     return adapt(config, base)
+
+
+def quantized_start(config: Config, base: models.Policy, adapted: models.Policy, generate: Generator, problems,
+                    evaluator: held_out.Evaluator) -> dict[str, Any]:
+    """What quantizing the base (`rl.lora.quantize`) did to the policy RL starts from (`adapted`, its adapters
+    still zero), against the unquantized `base`: a metrics record with
+      - the held-out greedy evaluation of `adapted` (`eval/...`, as RL step 0 records `base`'s);
+      - `logprob_gap/{mean,p99,max}`: `|log p_adapted - log p_base|` in nats over the completion tokens that
+        `base` samples with the run's sampling settings for the first `eval.batch_size` held-out problems (one
+        completion each), scored at the sampling temperature; `logprob_gap/tokens` counts them.
+    The largest gap grows with the number of tokens looked at; the mean does not (benchmarks/RESULTS.md)."""
+    evaluation = held_out.evaluate(adapted, generate, problems, evaluator, batch_size=config.eval.batch_size,
+                                   max_new_tokens=config.rl.sampling.max_new_tokens)
+    _, _, mine, _ = next(held_out.process_batches(problems, config.eval.batch_size, generate.mesh))
+    rollout = generate(base, mine, jax.random.key(config.seed), config.rl.sampling).rollout
+    gap = _logprob_gap(base, adapted, rollout.tokens, rollout.prompt_valid, rollout.completion_mask,
+                       config.rl.sampling.temperature)
+    record = {**{k: v for k, v in evaluation.items() if k != "eval/sample"},
+              **{k: float(v) for k, v in jax.device_get(gap).items()}}
+    record["logprob_gap/tokens"] = int(record["logprob_gap/tokens"])
+    log.info("the %s base: held-out greedy %s %.3f; sampled-token log-prob gap to the unquantized base: mean "
+             "%.4f, p99 %.4f, max %.4f nats over %d tokens", config.rl.lora.quantize, evaluator.metric,
+             record[evaluator.key], record["logprob_gap/mean"], record["logprob_gap/p99"],
+             record["logprob_gap/max"], record["logprob_gap/tokens"])
+    return record
+
+
+@jax.jit
+def _logprob_gap(base: models.Policy, adapted: models.Policy, tokens: jax.Array, prompt_valid: jax.Array,
+                 mask: jax.Array, temperature: jax.Array) -> dict[str, jax.Array]:
+    """Statistics of `|log p_adapted - log p_base|` `[B, N]` over the completion tokens `mask` `[B, N]` marks."""
+    exact, _ = completion_logprobs(base, tokens, prompt_valid, temperature)
+    moved, _ = completion_logprobs(adapted, tokens, prompt_valid, temperature)
+    gap = jnp.where(mask, jnp.abs(moved - exact), jnp.nan)
+    return {"logprob_gap/mean": jnp.nanmean(gap), "logprob_gap/p99": jnp.nanquantile(gap, 0.99),
+            "logprob_gap/max": jnp.nanmax(gap), "logprob_gap/tokens": jnp.sum(mask)}
+
+
+def recorded_quantized_start(metrics_path: str) -> dict[str, Any]:
+    """The run's `quantized_start` record as `metrics.jsonl` holds it (for a resumed run's summary); `{}` when the
+    run did not quantize its base."""
+    for record in read_metrics(metrics_path, torn_tail_ok=True):
+        if record.get("phase") == QUANTIZED_PHASE:
+            return {k: v for k, v in record.items() if k not in ("phase", "step")}
+    return {}
+
+
+def summary_fields(record: dict[str, Any], evaluator: held_out.Evaluator) -> dict[str, Any]:
+    """`summary.json`'s view of a `quantized_start` record: the quantized start's held-out metric and the
+    log-prob gap (`{}` for a run without a quantized base)."""
+    if not record:
+        return {}
+    gaps = {f"quantization_logprob_gap_{k.removeprefix('logprob_gap/')}": v for k, v in record.items()
+            if k.startswith("logprob_gap/")}
+    return {f"{evaluator.metric}_quantized_start": record[evaluator.key], **gaps}
 
 
 def resume_base(config: Config, loaded: models.Policy) -> models.Policy:

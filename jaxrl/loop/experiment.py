@@ -50,6 +50,7 @@ class Prepared:
     resumed: tuple | None = None  # `resume.restore`'s result for it
     damaged: list[int] = dataclasses.field(default_factory=list)  # newer checkpoints that did not restore
     before: dict[str, Any] | None = None  # the resumed run's evaluation after its warm start
+    quantized_start: dict[str, Any] = dataclasses.field(default_factory=dict)  # `adapters.quantized_start`'s
     checkpointer: Checkpointer | None = None  # opened to resume
 
 
@@ -82,8 +83,13 @@ def run(config: Config, config_source: str = "") -> dict[str, Any]:
                                                                          config.env))
         policy, before = warm_start_and_evaluate(config, ready, resources, times)
         if config.rl.lora.enabled and ready.resume_step is None:  # (a resumed run's policy is adapted already)
-            policy = adapters.start(config, policy, setup.hf_files(config.pretrained.path)
-                                    if config.pretrained.path else None)
+            base, policy = policy, adapters.start(config, policy, setup.hf_files(config.pretrained.path)
+                                                  if config.pretrained.path else None)
+            if config.rl.lora.quantize:
+                ready.quantized_start = adapters.quantized_start(config, base, policy, ready.generate,
+                                                                 ready.eval_problems, resources.evaluator)
+                resources.writer.write({"phase": adapters.QUANTIZED_PHASE, "step": 0, **ready.quantized_start})
+            del base  # (its projections' unquantized weights, with a quantized base)
         t0 = time.perf_counter()
         state, _, totals = rl.train(policy, config, (ready.train_problems, ready.eval_problems), ready.generate,
                                     resources, ready.resume_step, ready.resumed, ready.critic_trunk)
@@ -166,6 +172,7 @@ def restore_run(config: Config, ready: Prepared) -> None:
         ready.resume_step, ready.resumed, ready.damaged = resume.restore_newest_intact(
             checkpointer, state, controls, state.policy if keep_ref else None)
         ready.before = resume.recorded_evaluation(os.path.join(config.output_dir, "metrics.jsonl"))
+        ready.quantized_start = adapters.recorded_quantized_start(os.path.join(config.output_dir, "metrics.jsonl"))
     except BaseException:
         checkpointer.close()
         raise
@@ -249,6 +256,7 @@ def make_summary(config: Config, config_source: str, ready: Prepared, policy: mo
         "completion_length_after_rl": after["eval/completion_length"],
         **{k.removeprefix("eval/") + "_after_rl": v for k, v in after.items()
            if k.startswith(("eval/pass@", "eval/maj@"))},
+        **adapters.summary_fields(ready.quantized_start, evaluator),
         **totals,
         **ready.data_totals,
         "num_parameters": models.num_parameters(policy.config),

@@ -63,7 +63,7 @@ def evaluation_pool(config: Config, scorer: RewardScorer | None = None) -> rewar
     return pool_for(eval_reward(config)[1].fn, config.reward)
 
 
-def _process_batches(problems, size: int, mesh):
+def process_batches(problems, size: int, mesh):
     """Batches of `size` problems, the last padded by repeating its final problem (one compiled program for
     all), each as `(start, chunk, mine, real)`: the unpadded problems, this process's rows of the padded
     batch, and how many of those rows are real problems rather than padding."""
@@ -82,7 +82,7 @@ def evaluate(policy, generate: Generator, problems, evaluator: Evaluator, batch_
     given, is extended with one `samples.completion_records` row per problem this process sampled."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     start, scores, lengths, sample_text, episodes = time.perf_counter(), [], [], None, []
-    for _, chunk, padded, real in _process_batches(problems, batch_size, generate.mesh):
+    for _, chunk, padded, real in process_batches(problems, batch_size, generate.mesh):
         generation = generate(policy, padded, jax.random.key(0), greedy)
         local_scores = np.zeros(len(padded), np.float32)
         if real:
@@ -118,7 +118,7 @@ def evaluate_sampled(policy, generate: Generator, problems, evaluator: Evaluator
     per_call = max(1, e.batch_size // e.samples)  # problems per sampler call
     start, correct, votes = time.perf_counter(), [], []
     with_answers = evaluator.answers
-    for i, chunk, padded, real in _process_batches(problems, per_call, generate.mesh):
+    for i, chunk, padded, real in process_batches(problems, per_call, generate.mesh):
         generation = generate(policy, padded, jax.random.fold_in(key, i), settings,
                               group_size=e.samples)
         texts = generation.texts[:real * e.samples]
