@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -179,6 +180,33 @@ def test_compaction_profile_times_every_segment(capsys):
     assert sum(segment["seconds"] for segment in result["segments"]) <= result["call_s"]
     assert sampling._segment_program.__name__ == "_segment_program"  # the timing wrapper is gone
     assert "| segment end |" in capsys.readouterr().out
+
+
+def _quantization_gap(schemes: str, capsys) -> tuple[dict, str]:
+    fixture = os.path.join(os.path.dirname(__file__), "data", "hf", "transformers5", "qwen2")
+    result = _benchmark_script("quantization_gap").main(
+        [fixture, "--prompts", "2,4", "--new-tokens", "8", "--schemes", schemes, "--calibration", "2"])
+    rows = {(r["scheme"], r["tokens"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((s, n) for s in schemes.split(",") for n in (32, 64))
+    assert all(0 < r["mean"] <= r["p99"] <= r["max"] for r in rows.values())
+    return rows, capsys.readouterr().out
+
+
+def test_quantization_gap_measures_each_scheme_on_sampled_tokens(capsys):
+    """The gap of an int8 base and of a 12-bit grid on the tiny Qwen2: a finer grid moves the sampled tokens'
+    log-probs less, and the max is at least the 99th percentile, which is at least the mean."""
+    rows, out = _quantization_gap("int8,rtn12", capsys)
+    assert rows["rtn12", 64]["mean"] < rows["int8", 64]["mean"] / 4  # 4 bits finer: about 16x smaller steps
+    assert "| qwen2 | rtn12 | 64 |" in out
+    with pytest.raises(SystemExit):
+        _benchmark_script("quantization_gap").main(["--schemes", "int3"])
+
+
+@pytest.mark.slow  # GPTQ compiles a program per projection shape: about 30 s
+def test_quantization_gap_rounds_with_gptq(capsys):
+    rows, out = _quantization_gap("int4,gptq-int4", capsys)
+    assert rows["gptq-int4", 64]["mean"] < rows["int4", 64]["mean"]  # error compensation helps at 4 bits
+    assert "| qwen2 | gptq-int4 | 64 |" in out
 
 
 def test_profile_decode_busy_time_and_one_step():
