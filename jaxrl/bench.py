@@ -429,7 +429,8 @@ def bench_train(model: Any = "bench-small", sequences: int = 64, prompt_len: int
     described = {  # the workload and the compiled step: known before the step runs
         "benchmark": "train", "model": model_name, "parameters": models.num_parameters(config),
         "dtype": config.dtype, "param_dtype": config.param_dtype, "remat": remat,
-        "mesh": list(layout.mesh.shape.values()), "sequences": sequences, "prompt_len": prompt_len, "completion_len": completion_len,
+        "mesh": list(layout.mesh.shape.values()), "sequences": sequences, "prompt_len": prompt_len,
+        "completion_len": completion_len,
         "micro_batches": micro_batches, "repeats": repeats, "seed": seed, "lengths": lengths, "packing": packing,
         "useful_tokens": useful_tokens, "buckets": buckets, "donate": donate, "lora": lora,
         "packed_rows": None if packing == "off" else list(planned["plan"].gather.shape),
@@ -686,6 +687,13 @@ def _step_kind(r: dict) -> str:
     return f"LoRA rank {lora['rank']} (alpha {lora['alpha']:g}) on {targets}, {base}"
 
 
+def _workload(r: dict) -> str:
+    """The model and workload of a `bench_train` result, in words (the tables' footnotes)."""
+    return (f"model {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}), "
+            f"{r['sequences']} x ({r['prompt_len']} + {r['completion_len']} {r['lengths']}) tokens, "
+            f"{r['micro_batches']} micro-batch(es), state {'donated' if r['donate'] else 'not donated'}")
+
+
 def memory_table(results: list[dict], ratio: float | None = None) -> str:
     """Markdown table of `bench_train(memory_only=True)` results: each compiled step's `memory_analysis()`;
     `ratio`: the second step's compiled memory over the first's (`compare_lora`), printed below."""
@@ -701,11 +709,9 @@ def memory_table(results: list[dict], ratio: float | None = None) -> str:
     lines.append("")
     if ratio is not None:
         lines.append(f"LoRA / full compiled step memory: {100 * ratio:.1f}%")
-    lines.append(f"model {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}), "
-                 f"{r['sequences']} x ({r['prompt_len']} + {r['completion_len']} {r['lengths']}) tokens, "
-                 f"{r['micro_batches']} micro-batch(es), state {'donated' if r['donate'] else 'not donated'}; "
-                 f"compiled, not run; compiled step memory = arguments + outputs + temporaries - outputs written "
-                 f"over donated arguments; device {r['platform']} / {r['device_kind']}, jax {r['jax_version']}")
+    lines.append(f"{_workload(r)}; compiled, not run; compiled step memory = arguments + outputs + temporaries - "
+                 f"outputs written over donated arguments; device {r['platform']} / {r['device_kind']}, "
+                 f"jax {r['jax_version']}")
     return "\n".join(lines)
 
 
@@ -728,9 +734,7 @@ def lora_table(comparison: dict) -> str:
                   + f"; LoRA / full training tokens/s: {comparison['speedup_interleaved']:.2f}x (median over "
                   f"{len(comparison['interleaved_step_s'])} back-to-back rounds, step time full / LoRA: {pairs}; "
                   f"separate runs above: {comparison['speedup_tokens_per_s']:.2f}x)"))
-    lines.append(f"model {r['model']} ({r['parameters'] / 1e6:.1f}M, {r['dtype']}, remat {r['remat']}), "
-                 f"{r['sequences']} x ({r['prompt_len']} + {r['completion_len']} {r['lengths']}) tokens, "
-                 f"{r['micro_batches']} micro-batch(es), state {'donated' if r['donate'] else 'not donated'}; "
+    lines.append(f"{_workload(r)}; "
                  f"compiled step memory = arguments + outputs + temporaries - outputs written over donated "
                  f"arguments; median of {r['repeats']} steps after a warm-up; device {r['platform']} / "
                  f"{r['device_kind']} ({r['cpu_count']} CPUs), jax {r['jax_version']}")

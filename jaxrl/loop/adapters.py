@@ -99,8 +99,7 @@ def quantized_start(config: Config, base: models.Policy, adapted: models.Policy,
     gap = _logprob_gap(base, adapted, rollout.tokens, rollout.prompt_valid, rollout.completion_mask,
                        config.rl.sampling.temperature)
     record = {**{k: v for k, v in evaluation.items() if k != "eval/sample"},
-              **{k: float(v) for k, v in jax.device_get(gap).items()}}
-    record["logprob_gap/tokens"] = int(record["logprob_gap/tokens"])
+              **{k: v.item() for k, v in jax.device_get(gap).items()}}  # (floats, and the token count an int)
     log.info("the %s base: held-out greedy %s %.3f; sampled-token log-prob gap to the unquantized base: mean "
              "%.4f, p99 %.4f, max %.4f nats over %d tokens", config.rl.lora.quantize, evaluator.metric,
              record[evaluator.key], record["logprob_gap/mean"], record["logprob_gap/p99"],
